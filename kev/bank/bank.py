@@ -1,0 +1,137 @@
+"""The state bank: preallocated pools, a free list of slots, a free list of K/V pages.
+
+Like a paged-attention block manager: memory is carved once, a document gets one slot (its
+DeltaNet states) and as many K/V pages as its length needs, and everything is addressed by index.
+A `BankHandle` carries the slot's generation; freeing a slot bumps it, so a handle that outlived
+its entry can never read the slot's next tenant.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kev.bank.layout import StatePools
+from kev.config import ModelConfig
+
+
+class BankFull(RuntimeError):
+    """No free slot or not enough free K/V pages; the caller evicts and retries, or rejects."""
+
+
+class StaleHandle(LookupError):
+    """The handle's generation does not match its slot's: the entry was evicted."""
+
+
+@dataclass(frozen=True, order=True)
+class BankHandle:
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class BankStats:
+    slots_total: int
+    slots_used: int
+    blocks_total: int
+    blocks_used: int
+    bytes_total: int
+
+
+class Bank:
+    def __init__(self, cfg: ModelConfig, pools: StatePools, max_doc_tokens: int = 65536):
+        self.cfg = cfg
+        self.pools = pools
+        self.block_size = pools.block_size
+        self.max_blocks_per_slot = -(-max_doc_tokens // self.block_size)
+        device = pools.conv[0].device if pools.conv else pools.keys[0].device
+        S = pools.num_slots
+        # Host copies are the allocator's truth; the device block table is what kernels read.
+        self.block_table = torch.full((S, self.max_blocks_per_slot), -1, dtype=torch.int32, device=device)
+        self.lengths = [0] * S
+        self.generations = [0] * S
+        self._pages: list[list[int]] = [[] for _ in range(S)]
+        self._free_slots = list(range(S - 1, -1, -1))
+        self._free_blocks = list(range(pools.num_blocks - 1, -1, -1))
+        self._used = [False] * S
+        self._lock = threading.Lock()
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_slots: int, num_blocks: int, *, block_size: int = 64,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 max_doc_tokens: int = 65536) -> "Bank":
+        return cls(cfg, StatePools.allocate(cfg, num_slots, num_blocks, block_size, dtype, device), max_doc_tokens)
+
+    @classmethod
+    def from_budget(cls, cfg: ModelConfig, memory_bytes: int, *, avg_doc_tokens: int = 1024,
+                    block_size: int = 64, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu", max_doc_tokens: int = 65536) -> "Bank":
+        """Split `memory_bytes` so that documents of `avg_doc_tokens` fill slots and pages together."""
+        per_slot = StatePools.bytes_per_slot(cfg, dtype)
+        per_block = StatePools.bytes_per_block(cfg, block_size, dtype)
+        blocks_per_doc = -(-avg_doc_tokens // block_size)
+        num_slots = max(1, memory_bytes // (per_slot + blocks_per_doc * per_block))
+        num_blocks = max(-(-max_doc_tokens // block_size), (memory_bytes - num_slots * per_slot) // max(per_block, 1))
+        return cls.allocate(cfg, num_slots, num_blocks, block_size=block_size, dtype=dtype, device=device,
+                            max_doc_tokens=max_doc_tokens)
+
+    def alloc(self, doc_tokens: int) -> BankHandle:
+        """A slot and ceil(doc_tokens / block_size) pages for a document about to be state-passed."""
+        need = -(-doc_tokens // self.block_size) if self.pools.keys else 0
+        if need > self.max_blocks_per_slot:
+            raise ValueError(f"document of {doc_tokens} tokens exceeds the bank's max of "
+                             f"{self.max_blocks_per_slot * self.block_size}")
+        with self._lock:
+            if not self._free_slots:
+                raise BankFull("no free bank slot")
+            if need > len(self._free_blocks):
+                raise BankFull(f"need {need} K/V pages, {len(self._free_blocks)} free")
+            slot = self._free_slots.pop()
+            pages = [self._free_blocks.pop() for _ in range(need)]
+            self._pages[slot] = pages
+            self._used[slot] = True
+            self.lengths[slot] = doc_tokens
+            if pages:
+                self.block_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            return BankHandle(slot, self.generations[slot])
+
+    def free(self, handle: BankHandle) -> None:
+        with self._lock:
+            self._check(handle)
+            slot = handle.slot
+            self._free_blocks.extend(reversed(self._pages[slot]))
+            self._pages[slot] = []
+            self.block_table[slot] = -1
+            self.lengths[slot] = 0
+            self.generations[slot] += 1
+            self._used[slot] = False
+            self._free_slots.append(slot)
+
+    def check(self, handle: BankHandle) -> None:
+        with self._lock:
+            self._check(handle)
+
+    def _check(self, handle: BankHandle) -> None:
+        if not (0 <= handle.slot < len(self._used)) or not self._used[handle.slot] \
+                or self.generations[handle.slot] != handle.generation:
+            raise StaleHandle(f"bank handle {handle} is not live")
+
+    def length(self, handle: BankHandle) -> int:
+        self.check(handle)
+        return self.lengths[handle.slot]
+
+    def live_handles(self) -> list[BankHandle]:
+        with self._lock:
+            return [BankHandle(s, self.generations[s]) for s, u in enumerate(self._used) if u]
+
+    def stats(self) -> BankStats:
+        with self._lock:
+            return BankStats(
+                slots_total=len(self._used),
+                slots_used=sum(self._used),
+                blocks_total=self.pools.num_blocks,
+                blocks_used=self.pools.num_blocks - len(self._free_blocks),
+                bytes_total=sum(t.numel() * t.element_size() for t in self.pools.tensors()),
+            )

@@ -1,0 +1,61 @@
+"""`PassMeta`: what every op needs to know about the sequences packed into one pass.
+
+One pass packs N sequences back to back (`cu_seqlens`, no padding). A sequence either starts
+from nothing (a new document), or continues a state stored in bank slot `read_slots[n]` (a
+question row, or the next chunk of a long document). Its final state is written to
+`write_slots[n]`, or nowhere when that index is negative (rows never write). `prefix_lens[n]`
+tokens of the sequence's document are already in the bank, so its positions start there and
+attention sees them through `block_table[n]` (the K/V pages of the slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class PassMeta:
+    cu_seqlens: torch.Tensor  # [N + 1] int64
+    read_slots: torch.Tensor  # [N] int64, -1 = zero initial state
+    write_slots: torch.Tensor  # [N] int64, -1 = do not store the final state
+    prefix_lens: torch.Tensor  # [N] int64, tokens already stored for the sequence's document
+    block_table: torch.Tensor  # [N, max_blocks] int32, K/V pages of the sequence's slot (-1 unused)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.read_slots.shape[0]
+
+    @cached_property
+    def host(self) -> "HostMeta":
+        """Python ints for reference loops; one host sync, only on paths that may sync."""
+        return HostMeta(
+            cu_seqlens=self.cu_seqlens.tolist(),
+            read_slots=self.read_slots.tolist(),
+            write_slots=self.write_slots.tolist(),
+            prefix_lens=self.prefix_lens.tolist(),
+        )
+
+    def positions(self) -> torch.Tensor:
+        """[T] absolute position of every packed token: its document prefix plus its index in the sequence."""
+        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=lens.device), lens)
+        start = self.cu_seqlens[:-1][seq_of_token]
+        idx = torch.arange(seq_of_token.shape[0], device=lens.device)
+        return idx - start + self.prefix_lens[seq_of_token]
+
+
+@dataclass(frozen=True)
+class HostMeta:
+    cu_seqlens: list[int]
+    read_slots: list[int]
+    write_slots: list[int]
+    prefix_lens: list[int]
+
+    def seqs(self):
+        """(n, start, end, read_slot, write_slot, prefix_len) per sequence."""
+        for n in range(len(self.read_slots)):
+            yield (n, self.cu_seqlens[n], self.cu_seqlens[n + 1], self.read_slots[n], self.write_slots[n],
+                   self.prefix_lens[n])

@@ -1,0 +1,82 @@
+"""`TorchOps`: the float32 reference implementation of the ops interface (the CPU engine path).
+
+A loop over sequences with plain torch maths; per-sequence work keeps every answer independent
+of what else shares the pass. States are read from and written to the pools by slot index.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
+from kev.ops.meta import PassMeta
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class TorchOps:
+    name = "torch"
+
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
+        W = weight.shape[1]
+        out = torch.empty_like(x)
+        for n, s, e, read, write, _ in meta.host.seqs():
+            if read >= 0:
+                start = conv_pool[read].to(x.dtype)  # [C, W-1]
+            else:
+                start = x.new_zeros(x.shape[1], W - 1)
+            full = torch.cat([start, x[s:e].t()], dim=1)  # [C, W-1+L]
+            y = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [C, L]
+            out[s:e] = F.silu(y).t()
+            if write >= 0:
+                conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
+        return out
+
+    def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
+        HV, K = v.shape[1], q.shape[2]
+        group = HV // q.shape[1]
+        q = l2_normalize(q.float()).repeat_interleave(group, dim=1) * K**-0.5
+        k = l2_normalize(k.float()).repeat_interleave(group, dim=1)
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        for n, s, e, read, write, _ in meta.host.seqs():
+            if read >= 0:
+                start = state_pool[read]
+            else:
+                start = torch.zeros(state_pool.shape[1:], dtype=torch.float32, device=v.device)
+            o, final = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e].float(), g[s:e], beta[s:e].float(), start)
+            out[s:e] = o
+            if write >= 0:
+                state_pool[write] = final.detach()
+        return out.to(v.dtype)
+
+    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
+        Hq, D = q.shape[1], q.shape[2]
+        group = Hq // k.shape[1]
+        BS = key_pages.shape[1]
+        out = torch.empty_like(q)
+        tables = meta.block_table.tolist()
+        for n, s, e, read, write, prefix in meta.host.seqs():
+            L = e - s
+            pages = [p for p in tables[n][: (prefix + L + BS - 1) // BS]]
+            if prefix > 0:
+                idx = torch.tensor(pages[: (prefix + BS - 1) // BS], device=q.device)
+                pk = key_pages[idx].flatten(0, 1)[:prefix].to(q.dtype)  # [prefix, Hkv, D]
+                pv = value_pages[idx].flatten(0, 1)[:prefix].to(q.dtype)
+                keys, values = torch.cat([pk, k[s:e]]), torch.cat([pv, v[s:e]])
+            else:
+                keys, values = k[s:e], v[s:e]
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, P+L, D]
+            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+            scores = (q[s:e].transpose(0, 1) @ keys.transpose(1, 2)).float() * D**-0.5  # [Hq, L, P+L]
+            mask = torch.ones(L, prefix + L, dtype=torch.bool, device=q.device).tril(prefix)
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+            out[s:e] = (probs @ values).transpose(0, 1)
+            if write >= 0:
+                pos = torch.arange(prefix, prefix + L, device=q.device)
+                page = torch.tensor(pages, device=q.device)[pos // BS]
+                key_pages[page, pos % BS] = k[s:e].detach().to(key_pages.dtype)
+                value_pages[page, pos % BS] = v[s:e].detach().to(value_pages.dtype)
+        return out
