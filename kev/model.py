@@ -13,7 +13,7 @@ from torch import nn
 
 from kev.bank.layout import StatePools
 from kev.config import LayerType, ModelConfig
-from kev.elementwise import sigmoid, silu, softplus
+from kev.invariant import sigmoid, silu, softplus, tiled_linear
 from kev.ops import Ops, PassMeta
 
 
@@ -25,19 +25,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run in fixed row tiles, so a token's output never depends on how many
-    other tokens share the pass (CPU GEMMs pick different reduction orders for different M)."""
+    """nn.Linear that can run in fixed row tiles (see kev.invariant), for bitwise batch invariance."""
 
     row_tile: int = 0  # 0: one plain GEMM (GPU); >0: [tiles, row_tile, in] batched GEMM
 
     def forward(self, x):
         if not self.row_tile:
             return super().forward(x)
-        T, tile = x.shape[0], self.row_tile
-        padded = torch.cat([x, x.new_zeros((-T) % tile, x.shape[1])]).view(-1, tile, x.shape[1])
-        out = padded @ self.weight.t()  # [tiles, tile, in] @ [in, out] -> [tiles, tile, out]
-        out = out.reshape(-1, self.weight.shape[0])[:T]
-        return out + self.bias if self.bias is not None else out
+        return tiled_linear(x, self.weight, self.bias, self.row_tile)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,19 @@
+# The two set-up commands of the README. Both install what they need on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test install
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch 2.13.0 resolves to the CPU build that these machines carry; the rest comes from PyPI.
+install: $(BIN)/python
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+
+demo: install
+	$(BIN)/python -m kev.demo
+
+test: install
+	$(BIN)/python -m pytest -q

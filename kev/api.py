@@ -1,0 +1,132 @@
+"""Typed request and response of the public scoring API (DESIGN.md section 1).
+
+These are plain frozen dataclasses with no tensors and no validation: the gRPC layer maps its
+messages onto them one to one, and `kev.prompts.validate_and_build` checks them, so every error
+names its field in one place. Sequences are stored as tuples; `Question.choice` and friends accept
+lists and mappings for convenience.
+
+`Question` is flat like the wire message. Choice options are an ordered *sequence* of
+`Choice(name, description)` rather than a dict: the wire format (a repeated field) can carry
+duplicate names, and the validator must see them to reject them. `Question.type` may hold a
+value that is not a `QuestionType` (an unset or unknown wire enum): the validator rejects it.
+
+Answer semantics (computed by `kev.head.answer`):
+- `NoulAnswer.p_yes`: probability of "yes" (options are rendered "no" then "yes").
+- `ChoiceAnswer`: `choice` = argmax name (ties -> first listed), `probabilities` per name in
+  request order, `confidence` = (p_max - 1/K) / (1 - 1/K), 1 when K = 1.
+- `ScoreAnswer`: levels are 0..L-1 in request order; `score` = sum(i * p_i), `legend[i]` = the
+  description of level i, `probabilities[i]` = p(level i), `confidence` = 1 - E|level - mode| / (L - 1),
+  1 when L = 1, mode = argmax (ties -> lowest level).
+
+Usage: `document_tokens` counts the document's state tokens including the `<state>` delimiter
+(after truncation); `cached_state_tokens` is how many of those came from the bank instead of a
+state pass (0 or document_tokens); `input_tokens` = document_tokens + every row's tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, TypeAlias
+
+# A JSON value as the document field accepts it at the top level (scalars only nested inside).
+JsonDocument: TypeAlias = str | dict | list
+
+
+class QuestionType(enum.Enum):
+    NOUL = "noul"  # yes/no
+    CHOICE = "choice"
+    SCORE = "score"
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str
+    description: str | None = None  # None: the option renders as just the name
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question; the fields of the other types must stay empty (the validator checks).
+
+    Flat like the wire message (kev/v1/scorer.proto `Question`), so error field paths read the
+    same on both sides: noul uses the two descriptions, choice `options`, score `levels`.
+    """
+
+    type: QuestionType
+    instructions: str
+    true_description: str | None = None  # noul: what "yes" means
+    false_description: str | None = None  # noul: what "no" means
+    options: tuple[Choice, ...] = ()  # choice, in prompt order
+    levels: tuple[str, ...] = ()  # score: level i (0-based) is levels[i]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", tuple(self.options))
+        object.__setattr__(self, "levels", tuple(self.levels))
+
+    @classmethod
+    def noul(
+        cls, instructions: str, true_description: str | None = None, false_description: str | None = None
+    ) -> "Question":
+        return cls(QuestionType.NOUL, instructions, true_description, false_description)
+
+    @classmethod
+    def choice(cls, instructions: str, options: Mapping[str, str | None] | Sequence[Choice]) -> "Question":
+        if isinstance(options, Mapping):
+            options = [Choice(name, desc) for name, desc in options.items()]
+        return cls(QuestionType.CHOICE, instructions, options=tuple(options))
+
+    @classmethod
+    def score(cls, instructions: str, levels: Sequence[str]) -> "Question":
+        return cls(QuestionType.SCORE, instructions, levels=tuple(levels))
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    document: JsonDocument
+    questions: Mapping[str, Question]
+    truncate_document: bool = False
+    model: str | None = None  # None: the server's only / default model
+
+
+@dataclass(frozen=True)
+class NoulAnswer:
+    type: ClassVar[QuestionType] = QuestionType.NOUL
+    p_yes: float
+
+
+@dataclass(frozen=True)
+class ChoiceAnswer:
+    type: ClassVar[QuestionType] = QuestionType.CHOICE
+    choice: str
+    probabilities: dict[str, float]
+    confidence: float
+
+
+@dataclass(frozen=True)
+class ScoreAnswer:
+    type: ClassVar[QuestionType] = QuestionType.SCORE
+    score: float
+    legend: tuple[str, ...]  # legend[i] = description of level i
+    probabilities: tuple[float, ...]  # probabilities[i] = p(level i)
+    confidence: float
+
+
+Answer: TypeAlias = NoulAnswer | ChoiceAnswer | ScoreAnswer
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int
+    cached_state_tokens: int
+    document_tokens: int
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class ScoreResponse:
+    answers: dict[str, Answer]
+    usage: Usage
+    model_ms: float | None = None  # wall time of the state and row passes for this request, when measured
+    model: str | None = None  # the model that answered

@@ -1,0 +1,172 @@
+"""In-process scoring: `Engine.score(request) -> response`, the whole product in one object.
+
+The flow every deployment shares, in one place:
+    prepare (validate + render)  ->  document handles (bank hit, or a state pass)
+    ->  one row pass over every question row  ->  head  ->  answers
+The scorer service runs the same steps with the bank in another process; `answer_rows` and
+`row_batch_for` are what both use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from kev.api import ScoreRequest, ScoreResponse, Usage
+from kev.bank.bank import Bank, BankFull, BankHandle
+from kev.checkpoint import load_checkpoint
+from kev.doc_key import document_key
+from kev.head import DecisionHead, answers, load_head
+from kev.model import Qwen35Model
+from kev.ops import Ops, get_ops
+from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
+from kev.runner import RowBatch, Runner
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything read from a checkpoint directory, ready to run."""
+
+    model_id: str
+    model: Qwen35Model
+    head: DecisionHead
+    builder: PromptBuilder
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path, adapter_dir: str | Path | None = None, device: str = "cpu",
+             dtype: torch.dtype | None = None, limits: Limits = Limits()) -> "LoadedModel":
+        dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+        ckpt = load_checkpoint(checkpoint_dir, adapter_dir, dtype=dtype, device=device,
+                               require_head=True, require_tokenizer=True)
+        model = Qwen35Model(ckpt.config)
+        model.load_state_dict(ckpt.weights, strict=True, assign=True)
+        model = model.to(device).eval()
+        if device == "cpu":
+            model.set_batch_invariant()
+        delimiters = Delimiters(**ckpt.meta.delimiters) if ckpt.meta.delimiters else Delimiters()
+        builder = PromptBuilder(Tokenizer.from_file(str(ckpt.tokenizer_path)), delimiters, limits)
+        head = load_head(ckpt.head_path, ckpt.config.hidden_size, device=device)
+        return cls(ckpt.meta.model_id, model, head, builder)
+
+
+def row_batch_for(prepared: Sequence[PreparedRequest], handles: Sequence[BankHandle], device) -> RowBatch:
+    """Every question row of every request, each continuing its request's document."""
+    rows, row_handles, picks = [], [], []
+    for req, handle in zip(prepared, handles, strict=True):
+        for row in req.rows:
+            rows.append(row.prompt.ids)
+            row_handles.append(handle)
+            picks.append([row.prompt.decide_index, *row.prompt.option_end_indices])
+    return RowBatch.build(rows, row_handles, picks, device=device)
+
+
+def answer_rows(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> list[dict]:
+    """Answers per request from the row pass's picked hidden states ([decide, opt ends...] per row)."""
+    questions, counts, decide_idx, opt_idx = [], [], [], []
+    i = 0
+    for req in prepared:
+        for row in req.rows:
+            n = len(row.prompt.option_end_indices)
+            questions.append(row.question)
+            counts.append(n)
+            decide_idx.append(i)
+            opt_idx.extend(range(i + 1, i + 1 + n))
+            i += 1 + n
+    dev = hidden.device
+    probs = head.probabilities(hidden[torch.tensor(decide_idx, device=dev)],
+                               hidden[torch.tensor(opt_idx, device=dev)], counts)
+    flat = answers(questions, probs, counts)
+    out, k = [], 0
+    for req in prepared:
+        out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
+        k += len(req.rows)
+    return out
+
+
+class Engine:
+    """A model, its own bank and an LRU of document states, scoring requests in process."""
+
+    def __init__(self, loaded: LoadedModel, bank: Bank, ops: Ops | None = None):
+        self.loaded = loaded
+        self.bank = bank
+        self.runner = Runner(loaded.model, bank, ops or get_ops("torch"))
+        self._documents: OrderedDict[str, BankHandle] = OrderedDict()  # doc key -> handle, LRU first
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: str | Path, adapter_dir=None, device: str = "cpu",
+                        bank_bytes: int = 256 << 20, ops: Ops | None = None) -> "Engine":
+        loaded = LoadedModel.load(checkpoint_dir, adapter_dir, device=device)
+        dtype = next(loaded.model.parameters()).dtype
+        bank = Bank.from_budget(loaded.model.cfg, bank_bytes, dtype=dtype, device=device,
+                                max_doc_tokens=loaded.builder.limits.max_document_tokens)
+        return cls(loaded, bank, ops)
+
+    def score(self, request: ScoreRequest) -> ScoreResponse:
+        (response,) = self.score_many([request])
+        if isinstance(response, Exception):
+            raise response
+        return response
+
+    def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResponse | Exception]:
+        """Scores requests together (one state pass for new documents, one row pass); a bad
+        request gets its own exception in its place and does not affect the others."""
+        start = time.perf_counter()
+        results: list[ScoreResponse | Exception | None] = [None] * len(requests)
+        prepared, where = [], []
+        for i, req in enumerate(requests):
+            try:
+                prepared.append(validate_and_build(req, self.loaded.builder))
+                where.append(i)
+            except Exception as err:  # noqa: BLE001 - returned to its caller, not swallowed
+                results[i] = err
+        if prepared:
+            handles, cached = self._document_handles([p.document_ids for p in prepared])
+            hidden = self.runner.row_pass(row_batch_for(prepared, handles, self.bank.block_table.device))
+            per_request = answer_rows(self.loaded.head, prepared, hidden)
+            ms = (time.perf_counter() - start) * 1000
+            for i, p, ans, hit in zip(where, prepared, per_request, cached):
+                doc = len(p.document_ids)
+                usage = Usage(input_tokens=p.input_tokens, cached_state_tokens=doc if hit else 0,
+                              document_tokens=doc, truncated=p.truncated)
+                results[i] = ScoreResponse(answers=ans, usage=usage, model_ms=ms, model=self.loaded.model_id)
+        return results
+
+    def _document_handles(self, documents: Sequence[Sequence[int]]) -> tuple[list[BankHandle], list[bool]]:
+        """A live handle per document; new documents are state-passed together."""
+        keys = [document_key(self.loaded.model_id, d) for d in documents]
+        handles: dict[str, BankHandle] = {}
+        hits = []
+        new_keys, new_docs = [], []
+        for key, doc in zip(keys, documents):
+            if key in self._documents:
+                self._documents.move_to_end(key)
+                handles[key] = self._documents[key]
+                hits.append(True)
+            elif key in handles:  # a repeat inside this batch: state-passed once
+                hits.append(False)
+            else:
+                handles[key] = self._alloc(len(doc), protect=set(keys))
+                new_keys.append(key)
+                new_docs.append(doc)
+                hits.append(False)
+        if new_docs:
+            self.runner.state_pass(new_docs, [handles[k] for k in new_keys])
+            for k in new_keys:
+                self._documents[k] = handles[k]
+        return [handles[k] for k in keys], hits
+
+    def _alloc(self, tokens: int, protect: set[str]) -> BankHandle:
+        while True:
+            try:
+                return self.bank.alloc(tokens)
+            except BankFull:
+                victim = next((k for k in self._documents if k not in protect), None)
+                if victim is None:
+                    raise
+                self.bank.free(self._documents.pop(victim))
