@@ -1,4 +1,6 @@
 import os
+
+pytest_plugins = ["redis_server"]
 import sys
 
 import pytest
