@@ -57,13 +57,14 @@ class LoadedModel:
 
 def row_batch_for(prepared: Sequence[PreparedRequest], handles: Sequence[BankHandle], device) -> RowBatch:
     """Every question row of every request, each continuing its request's document."""
-    rows, row_handles, picks = [], [], []
+    rows, row_handles, lens, picks = [], [], [], []
     for req, handle in zip(prepared, handles, strict=True):
         for row in req.rows:
             rows.append(row.prompt.ids)
             row_handles.append(handle)
+            lens.append(len(req.document_ids))
             picks.append([row.prompt.decide_index, *row.prompt.option_end_indices])
-    return RowBatch.build(rows, row_handles, picks, device=device)
+    return RowBatch.build(rows, row_handles, lens, picks, device=device)
 
 
 def answer_rows(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> list[dict]:

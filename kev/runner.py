@@ -24,10 +24,11 @@ class RowBatch:
     tokens: torch.Tensor  # [T] int64
     cu_seqlens: torch.Tensor  # [N + 1] int64
     slots: torch.Tensor  # [N] int64: each row's document slot
+    doc_lens: torch.Tensor  # [N] int64: tokens stored in that slot (the row's positions start there)
     picks: torch.Tensor  # [P] int64 packed positions of <decide> / </opt> tokens
 
     @classmethod
-    def build(cls, rows: Sequence[Sequence[int]], handles: Sequence[BankHandle],
+    def build(cls, rows: Sequence[Sequence[int]], handles: Sequence[BankHandle], doc_lens: Sequence[int],
               picks_per_row: Sequence[Sequence[int]], device="cpu") -> "RowBatch":
         lens = [len(r) for r in rows]
         cu = [0]
@@ -37,10 +38,14 @@ class RowBatch:
         flat = [t for r in rows for t in r]
         as_long = dict(dtype=torch.int64, device=device)
         return cls(torch.tensor(flat, **as_long), torch.tensor(cu, **as_long),
-                   torch.tensor([h.slot for h in handles], **as_long), torch.tensor(picks, **as_long))
+                   torch.tensor([h.slot for h in handles], **as_long), torch.tensor(list(doc_lens), **as_long),
+                   torch.tensor(picks, **as_long))
 
 
 class Runner:
+    """Runs passes against a bank: an owning `Bank`, or any object with the same `pools`,
+    `block_table` and `check` (a scorer's attached view of another process's bank)."""
+
     def __init__(self, model: Qwen35Model, bank: Bank, ops: Ops, state_chunk_tokens: int = 8192):
         self.model, self.bank, self.ops = model, bank, ops
         self.state_chunk_tokens = state_chunk_tokens
@@ -69,9 +74,8 @@ class Runner:
             done += self.state_chunk_tokens
 
     def row_meta(self, batch: RowBatch) -> PassMeta:
-        lengths = torch.tensor(self.bank.lengths, dtype=torch.int64, device=self.device)
         return PassMeta(cu_seqlens=batch.cu_seqlens, read_slots=batch.slots,
-                        write_slots=torch.full_like(batch.slots, -1), prefix_lens=lengths[batch.slots],
+                        write_slots=torch.full_like(batch.slots, -1), prefix_lens=batch.doc_lens,
                         block_table=self.bank.block_table[batch.slots])
 
     @torch.no_grad()

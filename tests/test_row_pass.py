@@ -45,7 +45,7 @@ def test_row_pass_equals_full_forward(model, doc_len, row_lens):
     runner.state_pass([doc], [h])
     before = [t.clone() for t in runner.bank.pools.tensors()]
     picks = [list(range(len(r))) for r in rows]
-    out = runner.row_pass(RowBatch.build(rows, [h] * len(rows), picks))
+    out = runner.row_pass(RowBatch.build(rows, [h] * len(rows), [doc_len] * len(rows), picks))
     start = 0
     for r in rows:
         ref = full_forward(model, doc + r)[doc_len:]
@@ -76,9 +76,9 @@ def test_batch_invariance_bitwise(model):
     hs = [runner.bank.alloc(len(d)) for d in docs]
     runner.state_pass(docs, hs)
     picks = [[len(r) - 1, 0] for r in rows]
-    together = runner.row_pass(RowBatch.build(rows, [hs[o] for o in owner], picks))
+    together = runner.row_pass(RowBatch.build(rows, [hs[o] for o in owner], [len(docs[o]) for o in owner], picks))
     for i, r in enumerate(rows):
-        alone = runner.row_pass(RowBatch.build([r], [hs[owner[i]]], [picks[i]]))
+        alone = runner.row_pass(RowBatch.build([r], [hs[owner[i]]], [len(docs[owner[i]])], [picks[i]]))
         assert torch.equal(alone, together[2 * i : 2 * i + 2])
     # states written in a batch equal states written alone
     solo = make_runner(model)
