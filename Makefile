@@ -10,6 +10,7 @@ $(BIN)/python:
 
 # torch 2.13.0 resolves to the CPU build that these machines carry; the rest comes from PyPI.
 install: $(BIN)/python
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 
 demo: install
