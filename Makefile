@@ -17,4 +17,5 @@ demo: install
 	$(BIN)/python -m kev.demo
 
 test: install
+	PYTHON=$(BIN)/python bash deploy/tools.sh
 	$(BIN)/python -m pytest -q
