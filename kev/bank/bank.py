@@ -41,7 +41,13 @@ class BankStats:
 
 
 class Bank:
-    def __init__(self, cfg: ModelConfig, pools: StatePools, max_doc_tokens: int = 65536):
+    """`block_table` and `generations` may be given preallocated (shared memory that other
+    processes map, kev.bank.shared): the block table [slots, max_blocks] int32 is reset to -1;
+    the generations tensor [slots] int64 (CPU) seeds each slot's generation and mirrors every
+    bump, so a reader in another process can check a handle without asking this allocator."""
+
+    def __init__(self, cfg: ModelConfig, pools: StatePools, max_doc_tokens: int = 65536, *,
+                 block_table: torch.Tensor | None = None, generations: torch.Tensor | None = None):
         self.cfg = cfg
         self.pools = pools
         self.block_size = pools.block_size
@@ -49,9 +55,21 @@ class Bank:
         device = pools.conv[0].device if pools.conv else pools.keys[0].device
         S = pools.num_slots
         # Host copies are the allocator's truth; the device block table is what kernels read.
-        self.block_table = torch.full((S, self.max_blocks_per_slot), -1, dtype=torch.int32, device=device)
+        if block_table is None:
+            block_table = torch.full((S, self.max_blocks_per_slot), -1, dtype=torch.int32, device=device)
+        elif block_table.shape != (S, self.max_blocks_per_slot) or block_table.dtype != torch.int32:
+            raise ValueError(f"block_table must be [{S}, {self.max_blocks_per_slot}] int32, "
+                             f"got {list(block_table.shape)} {block_table.dtype}")
+        else:
+            block_table.fill_(-1)
+        self.block_table = block_table
+        if generations is not None and (generations.shape != (S,) or generations.dtype != torch.int64
+                                        or generations.device.type != "cpu"):
+            raise ValueError(f"generations must be [{S}] int64 on the CPU, "
+                             f"got {list(generations.shape)} {generations.dtype} {generations.device}")
+        self._shared_generations = generations
         self.lengths = [0] * S
-        self.generations = [0] * S
+        self.generations = generations.tolist() if generations is not None else [0] * S
         self._pages: list[list[int]] = [[] for _ in range(S)]
         self._free_slots = list(range(S - 1, -1, -1))
         self._free_blocks = list(range(pools.num_blocks - 1, -1, -1))
@@ -69,13 +87,21 @@ class Bank:
                     block_size: int = 64, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu", max_doc_tokens: int = 65536) -> "Bank":
         """Split `memory_bytes` so that documents of `avg_doc_tokens` fill slots and pages together."""
+        num_slots, num_blocks = cls.budget_split(cfg, memory_bytes, avg_doc_tokens=avg_doc_tokens,
+                                                 block_size=block_size, dtype=dtype, max_doc_tokens=max_doc_tokens)
+        return cls.allocate(cfg, num_slots, num_blocks, block_size=block_size, dtype=dtype, device=device,
+                            max_doc_tokens=max_doc_tokens)
+
+    @staticmethod
+    def budget_split(cfg: ModelConfig, memory_bytes: int, *, avg_doc_tokens: int = 1024, block_size: int = 64,
+                     dtype: torch.dtype = torch.float32, max_doc_tokens: int = 65536) -> tuple[int, int]:
+        """(num_slots, num_blocks) for `from_budget`; always room for one document of `max_doc_tokens`."""
         per_slot = StatePools.bytes_per_slot(cfg, dtype)
         per_block = StatePools.bytes_per_block(cfg, block_size, dtype)
         blocks_per_doc = -(-avg_doc_tokens // block_size)
         num_slots = max(1, memory_bytes // (per_slot + blocks_per_doc * per_block))
         num_blocks = max(-(-max_doc_tokens // block_size), (memory_bytes - num_slots * per_slot) // max(per_block, 1))
-        return cls.allocate(cfg, num_slots, num_blocks, block_size=block_size, dtype=dtype, device=device,
-                            max_doc_tokens=max_doc_tokens)
+        return num_slots, num_blocks
 
     def alloc(self, doc_tokens: int) -> BankHandle:
         """A slot and ceil(doc_tokens / block_size) pages for a document about to be state-passed."""
@@ -101,11 +127,15 @@ class Bank:
         with self._lock:
             self._check(handle)
             slot = handle.slot
+            # The generation moves first: a reader in another process sees the handle dead before
+            # the slot's pages change.
+            self.generations[slot] += 1
+            if self._shared_generations is not None:
+                self._shared_generations[slot] = self.generations[slot]
             self._free_blocks.extend(reversed(self._pages[slot]))
             self._pages[slot] = []
             self.block_table[slot] = -1
             self.lengths[slot] = 0
-            self.generations[slot] += 1
             self._used[slot] = False
             self._free_slots.append(slot)
 

@@ -1,0 +1,348 @@
+"""Acquire without gRPC: directory look-up, batched state passes, eviction, registration.
+
+    acquire(tokens)  --hit-->  directory.lookup_and_pin  ->  handle (cached)
+          | miss
+          v
+    pending[doc_key]: a job per distinct document; concurrent Acquires of one document join it
+          |
+    worker thread: drains the queue (waits up to max_wait for more), allocates a slot per new
+    document (evicting LRU unpinned entries when full), runs ONE Runner.state_pass for the batch,
+    then registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
+
+One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
+recovery after a Redis restart), so no two of those interleave. `live` (doc_key -> handle) is
+the bank's truth about what it holds; a directory hit is only returned when it agrees with it.
+A new entry is put in `live` before it is registered, so a concurrent hit always finds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from kev.bank.bank import Bank, BankFull, BankHandle
+from kev.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
+from kev.doc_key import document_key
+from kev.runner import Runner
+
+from bank_service.jobs import Acquired, AcquireFailed, Job, LiveEntry, Reason, Waiter
+from bank_service.metrics import BankMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Acquirer:
+    def __init__(self, runner: Runner, bank: Bank, directory: Directory, metrics: BankMetrics, *,
+                 lease_s: float, max_wait_s: float, max_pass_tokens: int, max_pass_documents: int,
+                 epoch_check_s: float):
+        self.runner, self.bank, self.directory, self.metrics = runner, bank, directory, metrics
+        self.model_id = directory.model_id
+        self.lease_s = lease_s
+        self.max_wait_s = max_wait_s
+        self.max_pass_tokens = max_pass_tokens
+        self.max_pass_documents = max_pass_documents
+        self.epoch_check_s = epoch_check_s
+        self.hits = self.misses = self.evictions = 0
+        self._live: dict[str, LiveEntry] = {}
+        self._lock = threading.Lock()  # _live and the counters
+        self._cv = threading.Condition()  # _queue, _pending, _stopping, _reconcile_due
+        self._queue: deque[Job] = deque()
+        self._pending: dict[str, Job] = {}
+        self._stopping = False
+        self._reconcile_due = False
+        self._epoch: str | None = None
+        self._thread = threading.Thread(target=self._run, name="state-pass-worker", daemon=True)
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Empties this bank's directory namespace (its memory is new) and starts the worker."""
+        self._epoch = self.directory.reset()
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.ident is not None:
+            self._thread.join()
+        with self._cv:
+            jobs, self._queue = list(self._queue), deque()
+        for job in jobs:
+            self._fail(job, AcquireFailed(Reason.UNAVAILABLE, "the bank is shutting down"))
+
+    # -- callers' side ------------------------------------------------------------------------
+
+    def acquire(self, tokens: Sequence[int], lease_s: float, timeout_s: float | None,
+                is_active: Callable[[], bool] = lambda: True) -> Acquired:
+        start = time.perf_counter()
+        doc_key = document_key(self.model_id, tokens)
+        try:
+            lease = self.directory.lookup_and_pin(doc_key, lease_s)
+        except DirectoryUnavailable as e:
+            raise AcquireFailed(Reason.UNAVAILABLE, str(e)) from e
+        if lease is not None:
+            handle = BankHandle(lease.slot, lease.generation)
+            with self._lock:
+                live = self._live.get(doc_key)
+                agrees = live is not None and live.handle == handle
+                if agrees:
+                    self.hits += 1
+            if agrees:
+                self._observe(start, cached=True)
+                return Acquired(doc_key, handle, lease.length, True, lease)
+            # Never hand out a handle the bank does not hold at that generation.
+            log.error("directory entry %s -> %s disagrees with the bank (%s); reconciling", doc_key, handle, live)
+            self._release_quietly(lease.lease_id)
+            self.request_reconcile()
+        waiter = Waiter(lease_s)
+        self._submit(doc_key, list(tokens), waiter)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not waiter.done.wait(0.05):
+            if not is_active() or (deadline is not None and time.monotonic() > deadline):
+                if (late := waiter.abandon()) is not None:
+                    self._release_quietly(late.lease.lease_id)
+                raise AcquireFailed(Reason.DEADLINE_EXCEEDED, "gave up waiting for the state pass")
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.result is not None
+        with self._lock:
+            if waiter.result.cached:
+                self.hits += 1
+            else:
+                self.misses += 1
+        self._observe(start, cached=waiter.result.cached)
+        return waiter.result
+
+    def release(self, lease_id: str) -> bool:
+        try:
+            return self.directory.release(lease_id)
+        except DirectoryUnavailable as e:
+            raise AcquireFailed(Reason.UNAVAILABLE, str(e)) from e
+
+    def request_reconcile(self) -> None:
+        with self._cv:
+            self._reconcile_due = True
+            self._cv.notify_all()
+
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _observe(self, start: float, cached: bool) -> None:
+        self.metrics.acquire_seconds.labels(cached=str(cached).lower()).observe(time.perf_counter() - start)
+
+    def _submit(self, doc_key: str, tokens: list[int], waiter: Waiter) -> None:
+        with self._cv:
+            if self._stopping:
+                raise AcquireFailed(Reason.UNAVAILABLE, "the bank is shutting down")
+            job = self._pending.get(doc_key)
+            if job is None:  # the first Acquire of this document since its last pass
+                job = self._pending[doc_key] = Job(doc_key, tokens, time.monotonic())
+                self._queue.append(job)
+                self.metrics.queue_depth.set(len(self._queue))
+                self._cv.notify_all()
+            job.waiters.append(waiter)
+
+    def _release_quietly(self, lease_id: str) -> None:
+        try:
+            self.directory.release(lease_id)
+        except DirectoryUnavailable:
+            pass  # the lease expires on its own
+
+    # -- the worker ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not (self._queue or self._stopping or self._reconcile_due):
+                    self._cv.wait(self.epoch_check_s)
+                if self._stopping:
+                    return
+                batch = self._take_batch() if self._queue else []
+                reconcile, self._reconcile_due = self._reconcile_due, False
+            try:
+                self._process(batch, reconcile)
+            except Exception as e:  # noqa: BLE001 - the worker must survive; its jobs learn why
+                log.exception("state-pass worker failed")
+                for job in batch:
+                    self._fail(job, AcquireFailed(Reason.INTERNAL, f"bank worker error: {e}"))
+
+    def _take_batch(self) -> list[Job]:
+        """Called with _cv held: waits up to max_wait after the oldest arrival, then takes jobs
+        up to the pass caps (always at least one, however long)."""
+        deadline = self._queue[0].enqueued + self.max_wait_s
+        while not self._stopping and len(self._queue) < self.max_pass_documents \
+                and sum(len(j.tokens) for j in self._queue) < self.max_pass_tokens:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cv.wait(remaining)
+        batch = [self._queue.popleft()]
+        tokens = len(batch[0].tokens)
+        while self._queue and len(batch) < self.max_pass_documents \
+                and tokens + len(self._queue[0].tokens) <= self.max_pass_tokens:
+            job = self._queue.popleft()
+            batch.append(job)
+            tokens += len(job.tokens)
+        self.metrics.queue_depth.set(len(self._queue))
+        return batch
+
+    def _process(self, batch: list[Job], reconcile: bool) -> None:
+        try:
+            self._ensure_epoch()
+            if reconcile:
+                self._reconcile()
+        except DirectoryUnavailable as e:
+            if batch:
+                log.warning("directory unavailable: %s", e)
+            for job in batch:
+                self._fail(job, AcquireFailed(Reason.UNAVAILABLE, str(e)))
+            return
+        passes: list[tuple[Job, BankHandle]] = []
+        for job in batch:
+            with self._lock:
+                live = self._live.get(job.doc_key)
+            if live is not None:  # state-passed since this Acquire's look-up: pin it
+                self._finish(job, live, new=False)
+                continue
+            try:
+                passes.append((job, self._alloc(len(job.tokens))))
+            except BankFull as e:
+                self._fail(job, AcquireFailed(Reason.RESOURCE_EXHAUSTED, f"bank full, every entry pinned: {e}"))
+            except DirectoryUnavailable as e:
+                self._fail(job, AcquireFailed(Reason.UNAVAILABLE, str(e)))
+        if not passes:
+            return
+        start = time.perf_counter()
+        try:
+            self.runner.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
+        except Exception as e:
+            log.exception("state pass failed")
+            for job, handle in passes:
+                self.bank.free(handle)
+                self._fail(job, AcquireFailed(Reason.INTERNAL, f"state pass failed: {e}"))
+            return
+        m = self.metrics
+        m.state_pass_seconds.observe(time.perf_counter() - start)
+        m.state_passes.inc()
+        m.state_pass_documents.inc(len(passes))
+        m.state_pass_tokens.inc(sum(len(j.tokens) for j, _ in passes))
+        for job, handle in passes:
+            self._finish(job, LiveEntry(handle, len(job.tokens)), new=True)
+
+    def _alloc(self, tokens: int) -> BankHandle:
+        """A slot and pages, evicting least-recently-used unpinned entries while the bank is full."""
+        while True:
+            try:
+                return self.bank.alloc(tokens)
+            except BankFull:
+                victims = self.directory.evict_if_unpinned(1)
+                if not victims:
+                    raise
+                for victim in victims:
+                    self._drop(victim)
+
+    def _drop(self, victim: DirectoryEntry) -> None:
+        handle = BankHandle(victim.slot, victim.generation)
+        with self._lock:
+            live = self._live.get(victim.doc_key)
+            if live is None or live.handle != handle:
+                log.warning("evicted directory entry %s -> %s is not live in the bank", victim.doc_key, handle)
+                return
+            del self._live[victim.doc_key]
+            self.evictions += 1
+        self.bank.free(handle)
+        self.metrics.evictions.inc()
+
+    def _finish(self, job: Job, entry: LiveEntry, new: bool) -> None:
+        """Register the entry (new) and pin it once per waiter; late joiners are included."""
+        with self._cv:
+            waiters = job.waiters
+            job.waiters = []
+            self._pending.pop(job.doc_key, None)
+        if new:
+            with self._lock:
+                self._live[job.doc_key] = entry
+        h = entry.handle
+        registered = not new
+        active = [w for w in waiters if not w.abandoned]
+        try:
+            if new and not active:
+                self.directory.register(job.doc_key, h.slot, h.generation, entry.length)
+                registered = True
+            while active:
+                waiter = active[0]
+                lease = self.directory.register(job.doc_key, h.slot, h.generation, entry.length,
+                                                pin_lease_s=waiter.lease_s)
+                registered = True
+                active.pop(0)
+                assert lease is not None
+                if not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, lease)):
+                    self._release_quietly(lease.lease_id)
+        except (DirectoryUnavailable, DirectoryConflict) as e:
+            if isinstance(e, DirectoryConflict):
+                log.error("registering %s at %s: %s", job.doc_key, h, e)
+                self.request_reconcile()
+            reason = Reason.UNAVAILABLE
+            for waiter in active:
+                waiter.fail(AcquireFailed(reason, f"directory: {e}"))
+            if not registered:  # nobody can reach the state: give the slot back
+                with self._lock:
+                    self._live.pop(job.doc_key, None)
+                self.bank.free(h)
+
+    def _fail(self, job: Job, error: AcquireFailed) -> None:
+        with self._cv:
+            waiters = job.waiters
+            job.waiters = []
+            self._pending.pop(job.doc_key, None)
+        for waiter in waiters:
+            waiter.fail(error)
+
+    # -- directory recovery -------------------------------------------------------------------
+
+    def _ensure_epoch(self) -> None:
+        """If Redis lost this bank's namespace (restart, flush), start it afresh and re-register
+        every live entry with a protective pin of one lease length: scorers that were reading
+        before the restart keep their state until their pins would have run out."""
+        current = self.directory.epoch()
+        if current is not None and current == self._epoch:
+            return
+        log.warning("directory epoch changed (%s -> %s): re-registering %d entries", self._epoch, current,
+                    self.live_count())
+        self._epoch = None  # a failure part-way leaves a mismatch, so the next check starts over
+        epoch = self.directory.reset()
+        with self._lock:
+            live = list(self._live.items())
+        for doc_key, entry in live:
+            self.directory.register(doc_key, entry.handle.slot, entry.handle.generation, entry.length,
+                                    pin_lease_s=self.lease_s)
+        self._epoch = epoch
+        self.metrics.directory_resets.inc()
+
+    def _reconcile(self) -> None:
+        """Make the directory agree with the bank: drop entries at handles the bank does not hold
+        (unless pinned: those go once their leases end), register live entries it lacks."""
+        entries = self.directory.entries()
+        with self._lock:
+            live = dict(self._live)
+        seen = set()
+        for e in entries:
+            ours = live.get(e.doc_key)
+            if ours is not None and ours.handle == BankHandle(e.slot, e.generation):
+                seen.add(e.doc_key)
+                continue
+            try:
+                self.directory.unregister(e.doc_key, e.slot, e.generation)
+            except DirectoryConflict:
+                log.warning("stale directory entry %s is pinned; it goes when its leases end", e.doc_key)
+        for doc_key, entry in live.items():
+            if doc_key not in seen:
+                try:
+                    self.directory.register(doc_key, entry.handle.slot, entry.handle.generation, entry.length)
+                except DirectoryConflict as err:
+                    log.error("cannot register %s: %s", doc_key, err)

@@ -1,0 +1,85 @@
+"""What Acquire calls wait on: outcomes, failures with their reason, and the pending-job records
+the state-pass worker resolves (kept apart from the worker so its flow reads on its own)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+
+from kev.bank.bank import BankHandle
+from kev.directory import Lease
+
+
+class Reason(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
+
+
+class AcquireFailed(Exception):
+    def __init__(self, reason: Reason, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Acquired:
+    doc_key: str
+    handle: BankHandle
+    length: int
+    cached: bool  # the state was in the bank already: no state pass ran for this call
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class LiveEntry:
+    handle: BankHandle
+    length: int
+
+
+class Waiter:
+    """One Acquire call waiting for its document's state pass."""
+
+    def __init__(self, lease_s: float):
+        self.lease_s = lease_s
+        self.done = threading.Event()
+        self.result: Acquired | None = None
+        self.error: AcquireFailed | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
+    def resolve(self, result: Acquired) -> bool:
+        """False when the caller has gone: the lease is then the resolver's to release."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self.result = result
+        self.done.set()
+        return True
+
+    def fail(self, error: AcquireFailed) -> None:
+        with self._lock:
+            self.error = error
+        self.done.set()
+
+    def abandon(self) -> Acquired | None:
+        """The caller gives up; returns a result that arrived meanwhile (its lease to release)."""
+        with self._lock:
+            self._abandoned = True
+            return self.result
+
+
+@dataclass(eq=False)
+class Job:
+    doc_key: str
+    tokens: list[int]
+    enqueued: float
+    waiters: list[Waiter] = field(default_factory=list)

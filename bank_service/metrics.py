@@ -1,0 +1,41 @@
+"""Prometheus metrics of the bank service, on their own registry (served on KEV_METRICS_PORT)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kev.bank.bank import BankStats
+
+
+class BankMetrics:
+    def __init__(self, stats: Callable[[], BankStats]):
+        self.registry = r = CollectorRegistry()
+        g = {
+            "slots_used": "Bank slots holding a document (or being filled)",
+            "slots_total": "Bank slots",
+            "blocks_used": "Paged K/V blocks in use",
+            "blocks_total": "Paged K/V blocks",
+        }
+        for name, doc in g.items():
+            gauge = Gauge(f"kev_bank_{name}", doc, registry=r)
+            gauge.set_function(lambda name=name: getattr(stats(), name))
+        self.state_passes = Counter("kev_bank_state_passes", "State passes run (one per batch)", registry=r)
+        self.state_pass_documents = Counter("kev_bank_state_pass_documents", "Documents state-passed", registry=r)
+        self.state_pass_tokens = Counter("kev_bank_state_pass_tokens", "Document tokens state-passed", registry=r)
+        self.state_pass_seconds = Histogram(
+            "kev_bank_state_pass_seconds", "Wall time of one state pass", registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
+        self.acquires = Counter("kev_bank_acquires", "Acquire calls by result", ["result"], registry=r)
+        self.acquire_seconds = Histogram(
+            "kev_bank_acquire_seconds", "Acquire latency (hits and state passes)", ["cached"], registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10))
+        self.evictions = Counter("kev_bank_evictions", "Entries evicted to make room", registry=r)
+        self.directory_resets = Counter("kev_bank_directory_resets",
+                                        "Times the directory lost its data and the bank re-registered", registry=r)
+        self.queue_depth = Gauge("kev_bank_queue_depth", "New documents waiting for a state pass", registry=r)
+
+    def serve(self, port: int) -> None:
+        if port:
+            start_http_server(port, registry=self.registry)

@@ -1,0 +1,227 @@
+"""The `kev.v1.Bank` gRPC service: requests in, typed calls to the Acquirer out; no tensors here.
+
+`BankService(config).start()` serves gRPC health at once (overall status SERVING while the process
+lives), loads the model, carves the shared bank, warms up, connects the directory, and only then
+marks `kev.v1.Bank` SERVING. `stop()` drains: NOT_SERVING, in-flight RPCs finish (grace), the
+worker stops, the directory namespace is dropped and the shared-memory file unlinked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent import futures
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kev.bank.shared import SharedBank
+from kev.directory import Directory, DirectoryUnavailable, connect
+from kev.engine import LoadedModel
+from kev.ops import get_ops
+from kev.prompts import Limits
+from kev.runner import Runner
+from kev.v1 import bank_pb2 as pb
+from kev.v1 import bank_pb2_grpc
+
+from bank_service.acquire import Acquirer
+from bank_service.config import BankConfig
+from bank_service.jobs import AcquireFailed, Reason
+from bank_service.metrics import BankMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Bank"].full_name  # "kev.v1.Bank"
+_CODES = {
+    Reason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Reason.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+MAX_WAIT_S = 600.0  # an Acquire without a deadline still gives up eventually
+
+
+def _invalid(message: str) -> AcquireFailed:
+    return AcquireFailed(Reason.INVALID_ARGUMENT, message)
+
+
+def parse_tokens(raw: bytes, max_tokens: int, vocab_size: int) -> list[int]:
+    """AcquireRequest.token_ids_le_i32 -> token ids, or INVALID_ARGUMENT naming the field."""
+    field = "token_ids_le_i32"
+    if not raw:
+        raise _invalid(f"{field}: the document is empty")
+    if len(raw) % 4:
+        raise _invalid(f"{field}: {len(raw)} bytes is not a whole number of int32 token ids")
+    if len(raw) // 4 > max_tokens:
+        raise _invalid(f"{field}: document of {len(raw) // 4} tokens is over the limit of {max_tokens}")
+    ids = np.frombuffer(raw, dtype="<i4")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise _invalid(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids.tolist()
+
+
+class BankServicer(bank_pb2_grpc.BankServicer):
+    def __init__(self, service: "BankService"):
+        self.service = service
+
+    def _ready(self, context) -> "BankService":
+        if not self.service.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the bank is starting")
+        return self.service
+
+    def _abort(self, context, e: AcquireFailed) -> None:
+        context.abort(_CODES[e.reason], e.message)
+
+    def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        s = self._ready(context)
+        cfg = s.config
+        try:
+            if request.model != s.model_id:
+                raise _invalid(f"model: {request.model!r} is not served here (this bank serves {s.model_id!r})")
+            tokens = parse_tokens(request.token_ids_le_i32, cfg.max_document_tokens, s.vocab_size)
+            lease_s = request.lease_ms / 1000 if request.lease_ms else cfg.lease_seconds
+            if lease_s > cfg.max_lease_seconds:
+                raise _invalid(f"lease_ms: {request.lease_ms} is over the limit of {cfg.max_lease_seconds * 1000:.0f}")
+            remaining = context.time_remaining()
+            timeout = MAX_WAIT_S if remaining is None else min(remaining, MAX_WAIT_S)
+            got = s.acquirer.acquire(tokens, lease_s, timeout, context.is_active)
+        except AcquireFailed as e:
+            s.metrics.acquires.labels(result=e.reason.value).inc()
+            self._abort(context, e)
+        s.metrics.acquires.labels(result="hit" if got.cached else "miss").inc()
+        return pb.AcquireResponse(
+            handle=pb.Handle(slot=got.handle.slot, generation=got.handle.generation),
+            document_length=got.length, cached=got.cached, lease_id=got.lease.lease_id,
+            lease_expires_unix_ms=got.lease.expires_at_ms, doc_key=got.doc_key)
+
+    def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        s = self._ready(context)
+        if not request.lease_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: required")
+        try:
+            return pb.ReleaseResponse(released=s.acquirer.release(request.lease_id))
+        except AcquireFailed as e:
+            self._abort(context, e)
+
+    def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+        s = self._ready(context)
+        if request.model and request.model != s.model_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"model: {request.model!r} is not served here (this bank serves {s.model_id!r})")
+        return s.shared.attach_response(s.model_id, s.config.node)
+
+    def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        s = self._ready(context)
+        bank = s.shared.bank.stats()
+        try:
+            pins = s.directory.pins_held()
+        except DirectoryUnavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        a = s.acquirer
+        return pb.StatsResponse(
+            slots_used=bank.slots_used, slots_total=bank.slots_total, blocks_used=bank.blocks_used,
+            blocks_total=bank.blocks_total, pins_held=pins, hits=a.hits, misses=a.misses, evictions=a.evictions,
+            node=s.config.node, instance=s.instance)
+
+
+class BankService:
+    def __init__(self, config: BankConfig):
+        self.config = config
+        self.instance = f"{int(time.time()):x}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.ready = threading.Event()
+        self.health = health.HealthServicer()
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self.shared: SharedBank | None = None
+        self.acquirer: Acquirer | None = None
+
+    def start(self, stop: threading.Event | None = None) -> bool:
+        """Serve; returns False if `stop` was set before the bank became ready."""
+        cfg, stop = self.config, stop or threading.Event()
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="bank-rpc"))
+        bank_pb2_grpc.add_BankServicer_to_server(BankServicer(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = self.server.add_insecure_port(cfg.listen)
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {cfg.listen}")
+        self.server.start()
+        log.info("listening on %s (port %d), instance %s", cfg.listen, self.port, self.instance)
+
+        t0 = time.perf_counter()
+        loaded = LoadedModel.load(cfg.checkpoint, cfg.adapter, device=cfg.device,
+                                  limits=Limits(max_document_tokens=cfg.max_document_tokens))
+        self.model_id, self.vocab_size = loaded.model_id, loaded.model.cfg.vocab_size
+        dtype = next(loaded.model.parameters()).dtype
+        self.shared = SharedBank.create(
+            loaded.model.cfg, cfg.memory_bytes, instance=self.instance, dtype=dtype, device=cfg.device,
+            block_size=cfg.block_size, avg_doc_tokens=cfg.avg_doc_tokens, max_doc_tokens=cfg.max_document_tokens,
+            shm_dir=cfg.shm_dir)
+        bank = self.shared.bank
+        ops = get_ops(cfg.ops)
+        runner = Runner(loaded.model, bank, ops)
+        self._warm_up(runner)
+        st = bank.stats()
+        log.info("model %s loaded on %s (%s, ops %s) in %.1f s; bank: %d slots, %d blocks of %d tokens, %d bytes, %s",
+                 self.model_id, cfg.device, dtype, ops.name, time.perf_counter() - t0, st.slots_total,
+                 st.blocks_total, cfg.block_size, st.bytes_total, self.shared.segment_paths or "CUDA IPC")
+
+        self.metrics = BankMetrics(bank.stats)
+        self.directory = Directory(connect(cfg.redis_url), self.model_id, cfg.node)
+        self.acquirer = Acquirer(runner, bank, self.directory, self.metrics, lease_s=cfg.lease_seconds,
+                                 max_wait_s=cfg.max_wait_ms / 1000, max_pass_tokens=cfg.max_pass_tokens,
+                                 max_pass_documents=cfg.max_pass_documents, epoch_check_s=cfg.epoch_check_s)
+        while True:  # Redis may come up after the bank
+            try:
+                self.acquirer.start()
+                break
+            except DirectoryUnavailable as e:
+                log.warning("directory unavailable at start-up, retrying: %s", e)
+                if stop.wait(1.0):
+                    return False
+        self.metrics.serve(cfg.metrics_port)
+        self.ready.set()
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s as node %s (metrics port %s)", SERVICE_NAME, cfg.node, cfg.metrics_port or "off")
+        return True
+
+    def _warm_up(self, runner: Runner) -> None:
+        """One short state pass with the real dtypes, into a slot freed again at once."""
+        bank = runner.bank
+        handle = bank.alloc(8)
+        try:
+            runner.state_pass([[0] * 8], [handle])
+        finally:
+            bank.free(handle)
+
+    def stop(self) -> None:
+        """Drain and release everything; safe to call at any point of start()."""
+        log.info("shutting down")
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            self.server.stop(self.config.grace_s).wait()
+        if self.acquirer is not None:
+            self.acquirer.stop()
+        if self.ready.is_set():
+            try:
+                self.directory.drop_all_for_node(self.config.node)
+            except DirectoryUnavailable as e:
+                log.warning("could not drop the directory namespace: %s", e)
+        if self.shared is not None:
+            self.shared.close()
+        log.info("stopped")

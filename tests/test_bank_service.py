@@ -1,0 +1,368 @@
+"""The bank service as a separate process (`python -m bank_service`) against a real redis-server.
+
+Acquire look-up/pass/pin, batching of concurrent misses, the bank memory mapped from this process
+(bit-identical to an in-process state pass, writes landing in the owner's pages), LRU eviction of
+unpinned entries only, lease expiry of a crashed holder, Redis outages and restarts, bad input.
+The main bank waits up to 200 ms for more documents per state pass, so batching is deterministic.
+"""
+
+import json
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from kev.bank.bank import Bank, BankHandle
+from kev.bank.shared import attach
+from kev.directory import Directory
+from kev.doc_key import document_key
+from kev.engine import LoadedModel
+from kev.ops import get_ops
+from kev.runner import RowBatch, Runner
+from kev.v1 import bank_pb2 as pb
+from redis_server import RedisServer
+from tiny_stack import TINY_MODEL_ID, make_tiny_checkpoint, pack_tokens, start_bank
+
+NODE = "test-node"
+VOCAB = 300
+
+
+def doc(n: int, tag: str) -> list[int]:
+    g = torch.Generator().manual_seed(sum(map(ord, tag)) * 7919 + n)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+def acquire(stub, ids, lease_ms: int = 0, timeout: float = 30, model: str = TINY_MODEL_ID) -> pb.AcquireResponse:
+    return stub.Acquire(pb.AcquireRequest(model=model, token_ids_le_i32=pack_tokens(ids), lease_ms=lease_ms),
+                        timeout=timeout)
+
+
+def release(stub, resp: pb.AcquireResponse) -> bool:
+    return stub.Release(pb.ReleaseRequest(handle=resp.handle, lease_id=resp.lease_id), timeout=10).released
+
+
+def handle_of(resp: pb.AcquireResponse) -> BankHandle:
+    return BankHandle(resp.handle.slot, resp.handle.generation)
+
+
+def concurrently(fn, args_list):
+    """Run fn(*args) for each args at (nearly) the same instant; results in order."""
+    barrier = threading.Barrier(len(args_list))
+    results = [None] * len(args_list)
+
+    def run(i, args):
+        barrier.wait()
+        try:
+            results[i] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - returned for the assertion
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def redis_srv():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def bank(ckpt, redis_srv, tmp_path_factory):
+    proc = start_bank(ckpt, redis_srv.url, tmp_path_factory.mktemp("logs"), max_wait_ms=200)
+    yield proc
+    assert proc.stop() == 0, proc.log_text()[-3000:]
+    assert proc.shm_files() == [], "the bank left its shared memory behind"
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return LoadedModel.load(ckpt)
+
+
+def directory(redis_srv) -> Directory:
+    return Directory(redis_srv.client(), TINY_MODEL_ID, NODE)
+
+
+def counter(bank, name: str) -> float:
+    return bank.metrics().get(name, 0.0)
+
+
+def snapshot(bank, redis_srv):
+    """What bad input must leave alone: bank occupancy, directory entries and pins, passes run."""
+    s = bank.stub().Stats(pb.StatsRequest(), timeout=10)
+    entries = sorted((e.doc_key, e.slot, e.generation, e.length, e.state, e.last_used_ms, e.pins)
+                     for e in directory(redis_srv).entries())
+    return (s.slots_used, s.blocks_used, s.pins_held, s.evictions, entries,
+            counter(bank, "kev_bank_state_pass_documents_total"))
+
+
+def test_health_and_reflection(bank):
+    assert bank.health("") == health_pb2.HealthCheckResponse.SERVING
+    assert bank.health("kev.v1.Bank") == health_pb2.HealthCheckResponse.SERVING
+    services = set(ProtoReflectionDescriptorDatabase(bank.channel).get_services())
+    assert {"kev.v1.Bank", "grpc.health.v1.Health"} <= services
+
+
+def test_miss_then_hit(bank, redis_srv):
+    stub, ids = bank.stub(), doc(40, "miss-hit")
+    first = acquire(stub, ids)
+    second = acquire(stub, ids)
+    assert (first.cached, second.cached) == (False, True)
+    assert handle_of(first) == handle_of(second)
+    assert first.document_length == second.document_length == 40
+    assert first.doc_key == second.doc_key == document_key(TINY_MODEL_ID, ids)
+    assert first.lease_id != second.lease_id and first.lease_expires_unix_ms > time.time() * 1000
+    (entry,) = [e for e in directory(redis_srv).entries() if e.doc_key == first.doc_key]
+    assert (entry.slot, entry.generation, entry.pins) == (first.handle.slot, first.handle.generation, 2)
+    assert release(stub, first) and release(stub, second)
+    assert not release(stub, first)  # already released
+
+
+def test_concurrent_acquires_of_one_document_pass_it_once(bank):
+    stub, ids = bank.stub(), doc(90, "same-doc")
+    before = counter(bank, "kev_bank_state_pass_documents_total")
+    results = concurrently(lambda: acquire(stub, ids), [()] * 8)
+    assert all(isinstance(r, pb.AcquireResponse) for r in results), results
+    assert len({handle_of(r) for r in results}) == 1
+    assert len({r.lease_id for r in results}) == 8  # one pin each
+    assert not all(r.cached for r in results)
+    assert counter(bank, "kev_bank_state_pass_documents_total") - before == 1
+    assert all(release(stub, r) for r in results)
+
+
+def test_concurrent_new_documents_share_one_state_pass(bank):
+    stub = bank.stub()
+    docs = [doc(n, "batch") for n in (3, 17, 64, 65, 130, 250)]
+    passes = counter(bank, "kev_bank_state_passes_total")
+    tokens = counter(bank, "kev_bank_state_pass_tokens_total")
+    results = concurrently(lambda ids: acquire(stub, ids), [(d,) for d in docs])
+    assert all(isinstance(r, pb.AcquireResponse) and not r.cached for r in results), results
+    assert len({r.handle.slot for r in results}) == len(docs)
+    assert counter(bank, "kev_bank_state_passes_total") - passes == 1
+    assert counter(bank, "kev_bank_state_pass_tokens_total") - tokens == sum(map(len, docs))
+    assert all(release(stub, r) for r in results)
+
+
+def _slot_state(pools, block_table, slot: int, length: int) -> list[torch.Tensor]:
+    out = [p[slot] for p in (*pools.recurrent, *pools.conv)]
+    pages = block_table[slot, : -(-length // pools.block_size)].long()
+    out += [pool[pages].flatten(0, 1)[:length] for pool in (*pools.keys, *pools.values)]
+    return out
+
+
+def test_attached_process_reads_the_exact_states(bank, loaded):
+    """This process maps the bank's memory: states and row passes bit-identical to in-process ones."""
+    stub = bank.stub()
+    docs = [doc(n, "attach") for n in (5, 70, 200)]
+    held = [acquire(stub, d) for d in docs]
+    attached = attach(stub.Attach(pb.AttachRequest(model=TINY_MODEL_ID), timeout=10))
+    assert attached.model == TINY_MODEL_ID and attached.node == NODE
+    model, ops = loaded.model, get_ops("torch")
+    runner = Runner(model, attached, ops)
+    rows = [[1, 2, 3, 4], [5, 6]]
+    for ids, resp in zip(docs, held):
+        h = handle_of(resp)
+        attached.check(h)
+        private = Bank.allocate(model.cfg, 1, 8, block_size=attached.block_size, max_doc_tokens=512)
+        ph = private.alloc(len(ids))
+        reference = Runner(model, private, ops)
+        reference.state_pass([ids], [ph])
+        got = _slot_state(attached.pools, attached.block_table, h.slot, len(ids))
+        want = _slot_state(private.pools, private.block_table, ph.slot, len(ids))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{len(ids)}-token document differs"
+        picks = [list(range(len(r))) for r in rows]
+        out = runner.row_pass(RowBatch.build(rows, [h] * 2, [len(ids)] * 2, picks))
+        ref = reference.row_pass(RowBatch.build(rows, [ph] * 2, [len(ids)] * 2, picks))
+        assert torch.equal(out, ref)
+    for resp in held:
+        assert release(stub, resp)
+
+
+def test_writes_in_place_reach_the_owners_pages(bank):
+    """A write through the attached view is in the shared file and in the bank process's own
+    mapping (read back through /proc/<pid>/mem): no copy anywhere."""
+    stub = bank.stub()
+    held = acquire(stub, doc(33, "in-place"))
+    response = stub.Attach(pb.AttachRequest(), timeout=10)
+    attached = attach(response)
+    (desc,) = [d for d in response.pools if d.name == "layers.0.recurrent"]
+    path = json.loads(desc.descriptor)["path"]
+    state = attached.pools.recurrent[0][held.handle.slot]
+    offset = state.storage_offset() * state.element_size()
+    original = state.clone()
+    pattern = torch.arange(state.numel(), dtype=torch.float32).view_as(state) + 0.5
+    try:
+        state.copy_(pattern)
+        raw = pattern.numpy().tobytes()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, len(raw), offset) == raw
+        finally:
+            os.close(fd)
+        pid = bank.proc.pid
+        maps = [line.split() for line in open(f"/proc/{pid}/maps") if line.rstrip().endswith(path)]
+        assert maps, "the bank process does not map its segment"
+        start = int(maps[0][0].split("-")[0], 16) - int(maps[0][2], 16)  # mapping start - file offset
+        try:
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(start + offset)
+                assert mem.read(len(raw)) == raw
+        except PermissionError:
+            pytest.skip("cannot read the bank process's memory here (ptrace restricted)")
+    finally:
+        state.copy_(original)
+        release(stub, held)
+
+
+def test_abandoned_acquire_keeps_no_pin(bank, redis_srv):
+    stub, ids = bank.stub(), doc(21, "abandon")
+    with pytest.raises(grpc.RpcError) as err:
+        acquire(stub, ids, timeout=0.02)  # gone long before the 200 ms batching window closes
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    key = document_key(TINY_MODEL_ID, ids)
+    deadline = time.monotonic() + 5
+    while not [e for e in directory(redis_srv).entries() if e.doc_key == key]:
+        assert time.monotonic() < deadline, "the state pass never registered"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    (entry,) = [e for e in directory(redis_srv).entries() if e.doc_key == key]
+    assert entry.pins == 0
+    again = acquire(stub, ids)
+    assert again.cached and release(stub, again)
+
+
+BAD = {
+    "empty document": (dict(token_ids_le_i32=b""), "token_ids_le_i32"),
+    "ragged bytes": (dict(token_ids_le_i32=b"\x01\x00\x00"), "token_ids_le_i32"),
+    "over max length": (dict(token_ids_le_i32=pack_tokens([1] * 513)), "over the limit of 512"),
+    "id over vocab": (dict(token_ids_le_i32=pack_tokens([1, VOCAB, 2])), "token id 300"),
+    "negative id": (dict(token_ids_le_i32=pack_tokens([1, -1])), "token id -1"),
+    "unknown model": (dict(model="kev-other", token_ids_le_i32=pack_tokens([1, 2])), "model"),
+    "no model": (dict(model="", token_ids_le_i32=pack_tokens([1, 2])), "model"),
+    "lease too long": (dict(token_ids_le_i32=pack_tokens([1, 2]), lease_ms=10**7), "lease_ms"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_acquire_changes_nothing(bank, redis_srv, case):
+    fields, needle = BAD[case]
+    before = snapshot(bank, redis_srv)
+    request = pb.AcquireRequest(**{"model": TINY_MODEL_ID, **fields})
+    with pytest.raises(grpc.RpcError) as err:
+        bank.stub().Acquire(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    assert snapshot(bank, redis_srv) == before
+
+
+def test_bad_release_and_attach(bank):
+    stub = bank.stub()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Release(pb.ReleaseRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_id" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Attach(pb.AttachRequest(model="kev-other"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in err.value.details()
+    assert not stub.Release(pb.ReleaseRequest(lease_id="no-such-lease"), timeout=10).released
+
+
+def test_redis_outage_and_restart(bank, redis_srv):
+    """Outage: UNAVAILABLE. Restart (empty Redis): the bank re-registers what it holds, with a
+    protective pin, and answers hits from the same slots again."""
+    stub = bank.stub()
+    ids = doc(50, "restart")
+    held = acquire(stub, ids)
+    resets = counter(bank, "kev_bank_directory_resets_total")
+
+    redis_srv.kill()
+    for request in (ids, doc(51, "restart")):
+        with pytest.raises(grpc.RpcError) as err:
+            acquire(stub, request)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as err:
+        release(stub, held)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    redis_srv.restart()
+    deadline = time.monotonic() + 10
+    while not (entries := [e for e in directory(redis_srv).entries() if e.doc_key == held.doc_key]):
+        assert time.monotonic() < deadline, "the bank did not re-register after the restart"
+        time.sleep(0.05)
+    (entry,) = entries
+    assert (entry.slot, entry.generation, entry.length) == (held.handle.slot, held.handle.generation, 50)
+    assert entry.pins == 1  # the protective pin: readers of before the restart are covered
+    assert counter(bank, "kev_bank_directory_resets_total") == resets + 1
+    again = acquire(stub, ids)
+    assert again.cached and handle_of(again) == handle_of(held)
+    fresh = acquire(stub, doc(51, "restart"))
+    assert not fresh.cached
+    assert release(stub, again) and release(stub, fresh)
+    assert not release(stub, held)  # its lease died with the old Redis
+
+
+def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path):
+    """A 4-slot bank: the least recently used unpinned entry goes, pinned ones never; with every
+    entry pinned a new document is refused and nothing leaks; a holder that never releases
+    (crashed) stops protecting its entry once its lease runs out. Then a clean SIGTERM."""
+    node = "small-node"
+    small = start_bank(ckpt, redis_srv.url, tmp_path, memory_bytes=4 * 33280, node=node, metrics=False)
+    try:
+        stub = small.stub()
+        assert stub.Stats(pb.StatsRequest(), timeout=10).slots_total == 4
+        d = [doc(20 + i, f"evict{i}") for i in range(6)]
+        keys = [document_key(TINY_MODEL_ID, x) for x in d]
+        live = lambda: {e.doc_key for e in Directory(redis_srv.client(), TINY_MODEL_ID, node).entries()}  # noqa: E731
+
+        pinned0 = acquire(stub, d[0])  # the oldest entry, pinned throughout
+        for i in (1, 2, 3):
+            assert release(stub, acquire(stub, d[i]))
+        assert release(stub, acquire(stub, d[1]))  # d1 used again: LRU unpinned is now d2
+        held4 = acquire(stub, d[4])
+        assert not held4.cached
+        assert live() == {keys[0], keys[1], keys[3], keys[4]}
+        assert stub.Stats(pb.StatsRequest(), timeout=10).evictions == 1
+
+        crashed3 = acquire(stub, d[3], lease_ms=600)  # a holder that will never release
+        held1 = acquire(stub, d[1])
+        assert crashed3.cached and held1.cached
+        before = stub.Stats(pb.StatsRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            acquire(stub, d[5])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        after = stub.Stats(pb.StatsRequest(), timeout=10)
+        assert (after.slots_used, after.blocks_used, after.evictions) == (4, before.blocks_used, 1)
+        assert live() == {keys[0], keys[1], keys[3], keys[4]}
+
+        time.sleep(max(0.0, crashed3.lease_expires_unix_ms / 1000 - time.time()) + 0.1)
+        held5 = acquire(stub, d[5])
+        assert not held5.cached
+        assert live() == {keys[0], keys[1], keys[4], keys[5]}  # the crashed holder's entry went
+        again0 = acquire(stub, d[0])
+        assert again0.cached and handle_of(again0) == handle_of(pinned0)
+        for resp in (pinned0, held4, held1, held5, again0):
+            assert release(stub, resp)
+        assert not release(stub, crashed3)
+        shm = small.shm_files()
+        assert len(shm) == 1
+    finally:
+        rc = small.stop()
+    assert rc == 0, small.log_text()[-3000:]
+    assert not shm[0].exists(), "SIGTERM left the shared memory file"
+    assert live() == set(), "the bank's directory namespace outlived it"

@@ -1,0 +1,205 @@
+"""A tiny but complete Kev stack for service tests (test support, not tests).
+
+    from tiny_stack import make_tiny_checkpoint, start_bank, pack_tokens
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt")            # random backbone + head + tokenizer
+    bank = start_bank(ckpt, redis_server.url, tmp_path)        # `python -m bank_service`, SERVING
+    resp = bank.stub().Acquire(pb.AcquireRequest(model=TINY_MODEL_ID, token_ids_le_i32=pack_tokens(ids)))
+    bank.stop()                                                # SIGTERM; returns the exit code
+
+The checkpoint directory is what KEV_CHECKPOINT points at: flat `config.json` + `model.safetensors`
+(kev.random_models weights, norms and dt_bias randomised), `head.safetensors` (kev.head.save_head),
+`tokenizer.json` (tests/tiny_tokenizer: word level over WORDS, Kev delimiters as special tokens)
+and `kev.json` naming the model TINY_MODEL_ID. `ServiceProcess` runs any service module (the scorer
+too) as a separate process with a log file, and waits on its gRPC health.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import save_file
+
+from kev.head import DecisionHead, save_head
+from kev.v1 import bank_pb2_grpc
+from random_models import random_model, tiny_config
+from tiny_tokenizer import make_test_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL_ID = "kev-tiny"
+WORDS = tuple(
+    "the a an of to in on for with and or not is was be this that it as at by from customer ticket order "
+    "invoice refund payment late delivery broken damaged screen phone laptop account password login error "
+    "billing team support sales legal contract termination early notice days month year clause party "
+    "agreement allow allowed may must shall terminate cancel fee penalty frustrated angry happy calm "
+    "very slightly please help urgent still again since waiting reply email call chat which should handle "
+    "does how what who when why level low medium high score yes no maybe product shipping address changed "
+    "wrong item missing package received never arrived ago week weeks two three one hello thanks regards "
+    "name ann bob carol dave team_a team_b question answer document text . , ! ? ; ' \" ( ) -".split()
+)
+
+
+def make_tiny_checkpoint(directory: str | Path, *, seed: int = 0, hv_per_h: int = 2,
+                         model_id: str = TINY_MODEL_ID, head_dim: int = 16) -> Path:
+    """Write a loadable Kev checkpoint directory (see the module docstring); returns its path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(hv_per_h=hv_per_h)
+    model = random_model(cfg, seed=seed)
+    tokenizer = make_test_tokenizer(WORDS)
+    if tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} ids, the model {cfg.vocab_size}")
+    tensors = {"model." + k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(cfg.to_text_dict(), indent=2))
+    g = torch.Generator().manual_seed(seed + 100)
+    d = cfg.hidden_size
+    head = DecisionHead(w_q=torch.randn(head_dim, d, generator=g) * 0.3, w_k=torch.randn(head_dim, d, generator=g) * 0.3,
+                        b_q=None, b_k=None, temperature=1.0)
+    save_head(directory / "head.safetensors", head)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "kev.json").write_text(json.dumps({"model_id": model_id}))
+    return directory
+
+
+def pack_tokens(ids) -> bytes:
+    """Token ids as AcquireRequest.token_ids_le_i32 (little-endian int32)."""
+    return torch.tensor(list(ids), dtype=torch.int32).numpy().astype("<i4").tobytes()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value} (samples only)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+class ServiceProcess:
+    """`python -m <module> <args>` with `env` on top of this process's environment, logging to
+    `log_path`; `wait_serving` polls gRPC health of `health_service` on `addr`."""
+
+    def __init__(self, module: str, env: dict[str, str], addr: str, health_service: str, log_path: Path,
+                 args: tuple[str, ...] = ()):
+        self.module, self.addr, self.health_service, self.log_path = module, addr, health_service, Path(log_path)
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, cwd=REPO_ROOT,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(addr)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self, service: str | None = None, timeout: float = 1.0) -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        name = self.health_service if service is None else service
+        return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=timeout).status
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.module} not SERVING after {timeout}s:\n{self.log_text()[-4000:]}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; returns the exit code (SIGKILL after `timeout`)."""
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no clean-up (its /dev/shm file stays; see `shm_files`)."""
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class BankProcess(ServiceProcess):
+    def __init__(self, *, checkpoint: Path, redis_url: str, log_path: Path, memory_bytes: int,
+                 lease_seconds: float, metrics: bool, args: tuple[str, ...], env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.metrics_port = free_port() if metrics else 0
+        base = {
+            "KEV_CHECKPOINT": str(checkpoint), "KEV_DEVICE": "cpu", "KEV_BANK_LISTEN": f"127.0.0.1:{self.port}",
+            "KEV_BANK_MEMORY_BYTES": str(memory_bytes), "KEV_REDIS_URL": redis_url,
+            "KEV_METRICS_PORT": str(self.metrics_port), "KEV_LEASE_SECONDS": str(lease_seconds),
+        }
+        super().__init__("bank_service", {**base, **(env or {})}, f"127.0.0.1:{self.port}", "kev.v1.Bank",
+                         log_path, args)
+
+    def stub(self) -> bank_pb2_grpc.BankStub:
+        return bank_pb2_grpc.BankStub(self.channel)
+
+    def metrics(self) -> dict[str, float]:
+        return scrape_metrics(self.metrics_port)
+
+    def shm_files(self) -> list[Path]:
+        """The /dev/shm files this bank process created (named after its instance, which has its pid)."""
+        pattern = re.compile(rf"kev-bank-[0-9a-f]+-{self.proc.pid}-[0-9a-f]+")
+        return [p for p in Path("/dev/shm").iterdir() if pattern.fullmatch(p.name)]
+
+
+def start_bank(checkpoint: str | Path, redis_url: str, log_dir: str | Path, *, memory_bytes: int = 4 << 20,
+               lease_seconds: float = 30, metrics: bool = True, max_document_tokens: int = 512,
+               avg_doc_tokens: int = 64, block_size: int = 64, max_wait_ms: float = 2,
+               epoch_check_s: float = 0.2, node: str = "test-node", extra_args: tuple[str, ...] = (),
+               env: dict[str, str] | None = None, wait: bool = True, timeout: float = 60) -> BankProcess:
+    """A bank service process on free ports, on CPU, one torch thread; returns once SERVING.
+
+    Defaults suit tests: a 4 MiB bank of ~120 one-page slots (64-token pages, 64-token average
+    documents), documents up to 512 tokens, a 0.2 s epoch check so a Redis restart is noticed fast.
+    """
+    args = ("--node", node, "--max-document-tokens", str(max_document_tokens), "--avg-doc-tokens",
+            str(avg_doc_tokens), "--block-size", str(block_size), "--max-wait-ms", str(max_wait_ms),
+            "--epoch-check-s", str(epoch_check_s), "--torch-threads", "1", "--grpc-workers", "32", *extra_args)
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bank = BankProcess(checkpoint=Path(checkpoint), redis_url=redis_url, log_path=log_dir / f"bank-{time.time_ns()}.log",
+                       memory_bytes=memory_bytes, lease_seconds=lease_seconds, metrics=metrics, args=args, env=env)
+    if wait:
+        try:
+            bank.wait_serving(timeout)
+        except BaseException:
+            bank.kill()
+            raise
+    return bank
