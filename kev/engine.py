@@ -108,6 +108,11 @@ class Engine:
                                 max_doc_tokens=loaded.builder.limits.max_document_tokens)
         return cls(loaded, bank, ops)
 
+    def clear(self) -> None:
+        """Forget every stored document (their slots go back to the bank)."""
+        while self._documents:
+            self.bank.free(self._documents.popitem()[1])
+
     def score(self, request: ScoreRequest) -> ScoreResponse:
         (response,) = self.score_many([request])
         if isinstance(response, Exception):
