@@ -1,0 +1,239 @@
+"""Varlen causal attention over each sequence's paged document prefix plus its own keys (GQA).
+
+Sequence n has `prefix_lens[n]` tokens of its document already stored in the bank's K/V pages:
+position p lives at `key_pages[read_table[n, p // BS], p % BS]`. Its own L tokens follow at
+positions prefix .. prefix + L - 1 and attend causally to the prefix and to each other. Keys are
+read straight from the pages by block table: no gather. When `write_slots[n] >= 0` the sequence's
+own K/V are stored into its pages (`write_table[n]`) at positions prefix .. prefix + L - 1; those
+pages are disjoint from the prefix pages the kernel reads, so reads and writes never race.
+
+One program per (block of BM query tokens of one sequence, kv head); the G = Hq / Hkv query heads
+of the kv head are stacked into the rows of one tile (row r = token r // G, head r % G), so every
+K/V tile feeds G heads. Online softmax in fp32 (exp2), P rounded to V's dtype for the PV product
+(the reference rounds probabilities to the activations' dtype too).
+
+Reference: the loop in `TorchOps.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fla.ops.utils.index import prepare_chunk_indices
+
+from kev.ops.conv.indexed_conv import shape_class
+
+# BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
+# and break bit-identical results across configs.
+ATTN_CONFIGS = [
+    triton.Config({}, num_warps=num_warps, num_stages=num_stages)
+    for num_warps in [4, 8]
+    for num_stages in [1, 2]
+]
+if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
+    ATTN_CONFIGS = ATTN_CONFIGS[:1]
+
+
+def query_block(group: int) -> int:
+    """Query tokens per program: about 64 stacked rows (G heads per token), at least 16 tokens."""
+    return max(16, 64 // triton.next_power_of_2(group))
+
+
+@triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
+def paged_prefix_attn_fwd_kernel(
+    q,  # [T, Hq, D]
+    k, v,  # [T, Hkv, D]
+    o,  # [T, Hq, D] contiguous out
+    key_pages, value_pages,  # [NB, BS, Hkv, D] read through read_table
+    out_key_pages, out_value_pages,  # [NB', BS, Hkv, D] written through write_table
+    read_table, write_table,  # [N, MB] int page ids
+    prefix_lens, write_slots,  # [N]
+    cu_seqlens,  # [N + 1]
+    chunk_indices,  # [NT, 2] chunks of BM tokens
+    qk_scale,  # D^-0.5 * log2(e)
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
+    stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h,
+    stride_rt_n, stride_wt_n,
+    N_CLASS, T_CLASS,  # shape-class autotune keys only
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+):
+    i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    prefix = tl.load(prefix_lens + i_n).to(tl.int64)
+
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_r = tl.arange(0, BR)  # stacked rows: token r // G, head r % G
+    t_r = i_t * BM + o_r // G  # [BR] token index inside the sequence
+    h_r = i_kvh * G + o_r % G  # [BR] query head
+    m_r = (o_r < BM * G) & (t_r < L)
+    p_q = q + (bos + t_r)[:, None] * stride_q_t + h_r[:, None] * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BR, BD]
+
+    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
+    b_l = tl.zeros([BR], dtype=tl.float32)
+    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
+    o_n = tl.arange(0, BN)
+
+    # the document prefix, page by page through the block table
+    p_rt = read_table + i_n * stride_rt_n
+    for start in range(0, prefix, BN):
+        o_p = start + o_n
+        m_p = o_p < prefix
+        b_page = tl.load(p_rt + o_p // BS, mask=m_p, other=0).to(tl.int64)  # [BN]
+        p_k = key_pages + b_page[None, :] * stride_kp_b + (o_p % BS)[None, :] * stride_kp_s \
+            + i_kvh * stride_kp_h + o_d[:, None]
+        b_k = tl.load(p_k, mask=m_d[:, None] & m_p[None, :], other=0.0)  # [BD, BN]
+        # [BR, BD] @ [BD, BN] -> [BR, BN]
+        b_s = tl.dot(b_q, b_k) * qk_scale
+        b_s = tl.where(m_p[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        p_v = value_pages + b_page[:, None] * stride_vp_b + (o_p % BS)[:, None] * stride_vp_s \
+            + i_kvh * stride_vp_h + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_p[:, None] & m_d[None, :], other=0.0)  # [BN, BD]
+        # [BR, BN] @ [BN, BD] -> [BR, BD]
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+        b_m = b_m_new
+
+    # the sequence's own keys, causally
+    hi = tl.minimum((i_t + 1) * BM, L)
+    for start in range(0, hi, BN):
+        o_j = start + o_n
+        m_j = o_j < L
+        p_k = k + (bos + o_j)[None, :] * stride_k_t + i_kvh * stride_k_h + o_d[:, None]
+        b_k = tl.load(p_k, mask=m_d[:, None] & m_j[None, :], other=0.0)  # [BD, BN]
+        # [BR, BD] @ [BD, BN] -> [BR, BN]
+        b_s = tl.dot(b_q, b_k) * qk_scale
+        b_s = tl.where(m_j[None, :] & (o_j[None, :] <= t_r[:, None]), b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        p_v = v + (bos + o_j)[:, None] * stride_v_t + i_kvh * stride_v_h + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_j[:, None] & m_d[None, :], other=0.0)  # [BN, BD]
+        # [BR, BN] @ [BN, BD] -> [BR, BD]
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+        b_m = b_m_new
+
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_d[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+
+    # the block's own K/V into its pages, once per (token, kv head)
+    b_write = tl.load(write_slots + i_n)
+    o_tw = i_t * BM + tl.arange(0, BM)
+    m_tw = (o_tw < L) & (b_write >= 0)
+    pos = prefix + o_tw
+    b_wpage = tl.load(write_table + i_n * stride_wt_n + pos // BS, mask=m_tw, other=0).to(tl.int64)
+    m_kv = m_tw[:, None] & m_d[None, :]
+    b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_d[None, :], mask=m_kv)
+    p_ok = out_key_pages + b_wpage[:, None] * stride_okp_b + (pos % BS)[:, None] * stride_okp_s \
+        + i_kvh * stride_okp_h + o_d[None, :]
+    tl.store(p_ok, b_k_own.to(out_key_pages.dtype.element_ty), mask=m_kv)
+    b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_d[None, :], mask=m_kv)
+    p_ov = out_value_pages + b_wpage[:, None] * stride_ovp_b + (pos % BS)[:, None] * stride_ovp_s \
+        + i_kvh * stride_ovp_h + o_d[None, :]
+    tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
+
+
+_tuned_attn_kernel = triton.autotune(
+    configs=ATTN_CONFIGS, key=["HQ", "G", "D", "BS", "N_CLASS", "T_CLASS"])(paged_prefix_attn_fwd_kernel)
+
+
+def paged_prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    write_slots: torch.Tensor,
+    *,
+    out_key_pages: torch.Tensor | None = None,
+    out_value_pages: torch.Tensor | None = None,
+    write_table: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: triton.Config | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
+
+    q:             [T, Hq, D] queries after norm and RoPE (unit stride over D)
+    k, v:          [T, Hkv, D] the sequences' own keys (after norm and RoPE) and values; Hq % Hkv == 0
+    cu_seqlens:    [N + 1] int sequence offsets; prefix_lens [N] int stored tokens of each document
+    key_pages, value_pages: [NB, BS, Hkv, D] K/V pages, any strides with unit stride over D, read in place
+    block_table:   [N, MB] int page ids of each sequence's prefix (read side)
+    write_slots:   [N] int; >= 0 stores the sequence's K/V at positions prefix.. in its pages
+    out_key_pages, out_value_pages, write_table: the write side (default: the read side)
+    chunk_indices: [NT, 2] fla's prepare_chunk_indices(cu_seqlens, query_block(Hq // Hkv));
+                   computed (host sync) when None
+    scale:         default D^-0.5
+    config:        run this one config instead of the autotuner
+    Returns o: [T, Hq, D] contiguous, q's dtype.
+    """
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, Hq, D], k {tuple(k.shape)} and v {tuple(v.shape)} "
+                         f"[T, Hkv, D]")
+    T, HQ, D = q.shape
+    HKV = k.shape[1]
+    if HQ % HKV:
+        raise ValueError(f"query heads Hq={HQ} must be a multiple of kv heads Hkv={HKV}")
+    if D > 256:
+        raise ValueError(f"head dim {D} > 256 is not supported")
+    out_key_pages = key_pages if out_key_pages is None else out_key_pages
+    out_value_pages = value_pages if out_value_pages is None else out_value_pages
+    write_table = block_table if write_table is None else write_table
+    BS = key_pages.shape[1]
+    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages), ("out_key_pages", out_key_pages),
+                        ("out_value_pages", out_value_pages)):
+        if pages.ndim != 4 or tuple(pages.shape[1:]) != (BS, HKV, D) or pages.stride(3) != 1:
+            raise ValueError(f"{name} must be [NB, BS={BS}, Hkv={HKV}, D={D}] with unit stride over D, "
+                             f"got {tuple(pages.shape)} strides {pages.stride()}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} {tuple(t.shape)} needs unit stride over D, strides {t.stride()}")
+    N = prefix_lens.shape[0]
+    if cu_seqlens.shape != (N + 1,) or write_slots.shape != (N,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)} must be [N + 1], prefix_lens "
+                         f"{tuple(prefix_lens.shape)} and write_slots {tuple(write_slots.shape)} [N]")
+    for name, table in (("block_table", block_table), ("write_table", write_table)):
+        if table.ndim != 2 or table.shape[0] != N or table.stride(1) != 1:
+            raise ValueError(f"{name} must be [N={N}, MB] with unit column stride, got {tuple(table.shape)}")
+    # index tensors (never the pages) must be contiguous: a strided index view costs a tiny copy
+    cu_seqlens, prefix_lens, write_slots = cu_seqlens.contiguous(), prefix_lens.contiguous(), write_slots.contiguous()
+    G = HQ // HKV
+    BM = query_block(G)
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, BM)
+    chunk_indices = chunk_indices.contiguous()
+    o = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    NT = chunk_indices.shape[0]
+    if NT == 0:
+        return o
+    scale = D ** -0.5 if scale is None else scale
+    BD = max(16, triton.next_power_of_2(D))
+    n_class, t_class = shape_class(N, T)
+    args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
+            prefix_lens, write_slots, cu_seqlens, chunk_indices, scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *key_pages.stride()[:3], *value_pages.stride()[:3], *out_key_pages.stride()[:3],
+            *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
+    meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
+                BN=64 if BD <= 128 else 32)
+    grid = (NT, HKV)
+    if config is None:
+        _tuned_attn_kernel[grid](*args, **meta)
+    else:
+        paged_prefix_attn_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+    return o

@@ -1,0 +1,195 @@
+"""Varlen causal depthwise convolution + silu that starts from the bank's conv states by slot index.
+
+A pass packs N sequences back to back (`cu_seqlens`). Sequence n continues the conv state in
+`conv_pool[read_slots[n]]` (its previous W-1 inputs; zeros when the index is negative) and, when
+`write_slots[n] >= 0`, leaves its own last W-1 inputs in `out_pool[write_slots[n]]`. Nothing is
+gathered or copied: the kernel reads and writes the pools in place through their strides, so a
+pool that is a strided view of a larger buffer (shared memory, CUDA IPC) works as it is.
+
+The grid runs over (channel block, chunk of BT tokens of one sequence). The final-state write is
+done by each sequence's chunk-0 program, the only program that reads the start state, after a
+barrier: a sequence may read and write the same slot (a long document continuing in its slot).
+Two *different* sequences of one pass must not read and write the same slot.
+
+Reference: `naive.causal_conv_reference` (and `TorchOps.causal_conv`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fla.ops.utils.index import prepare_chunk_indices
+
+CONV_CHUNK = 64  # tokens per program: the same chunking as the delta rule, so one chunk_indices serves both
+
+CONV_CONFIGS = [
+    triton.Config({"BC": BC}, num_warps=num_warps)
+    for BC, num_warps in [(128, 4), (64, 2), (256, 4), (256, 8)]
+]
+if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
+    CONV_CONFIGS = CONV_CONFIGS[:1]
+
+
+@triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
+def indexed_conv_fwd_kernel(
+    x,  # [T, C] any strides
+    weight,  # [C, W]
+    y,  # [T, C] contiguous output
+    conv_pool,  # [S, C, W-1] read by read_slots
+    out_pool,  # [S', C, W-1] written by write_slots
+    read_slots,  # [N]
+    write_slots,  # [N]
+    cu_seqlens,  # [N + 1]
+    chunk_indices,  # [NT, 2] (sequence, chunk within it)
+    C,
+    stride_x_t, stride_x_c,
+    stride_w_c, stride_w_w,
+    stride_p_s, stride_p_c, stride_p_w,
+    stride_q_s, stride_q_c, stride_q_w,
+    N_CLASS, T_CLASS,  # shape-class autotune keys only (unused in the body)
+    W: tl.constexpr,
+    WP: tl.constexpr,  # next power of two >= W - 1
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
+    i_c, i_ct = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < L
+
+    b_read = tl.load(read_slots + i_n).to(tl.int64)
+    p_start = conv_pool + tl.maximum(b_read, 0) * stride_p_s + o_c * stride_p_c  # [BC]
+
+    b_y = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+        pos = o_t - (W - 1) + j  # [BT] input position inside the sequence; < 0 lies in the start state
+        m_x = m_t & (pos >= 0)
+        p_x = x + (bos + pos)[:, None] * stride_x_t + o_c[None, :] * stride_x_c
+        b_x = tl.load(p_x, mask=m_x[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BT, BC]
+        m_s = m_t & (pos < 0) & (b_read >= 0)
+        p_s = p_start[None, :] + (pos + W - 1)[:, None] * stride_p_w
+        b_s = tl.load(p_s, mask=m_s[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BT, BC]
+        b_y += (b_x + b_s) * b_w[None, :]
+    b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
+    p_y = y + (bos + o_t)[:, None] * C + o_c[None, :]
+    tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+
+    if i_t == 0:
+        # the sequence's last W-1 inputs; with L < W-1 part of them is still the start state
+        b_write = tl.load(write_slots + i_n).to(tl.int64)
+        o_w = tl.arange(0, WP)
+        f_pos = L - (W - 1) + o_w  # [WP]
+        m_w = (o_w < W - 1) & (b_write >= 0)
+        p_fx = x + (bos + f_pos)[:, None] * stride_x_t + o_c[None, :] * stride_x_c
+        b_f = tl.load(p_fx, mask=(m_w & (f_pos >= 0))[:, None] & m_c[None, :], other=0.0)  # [WP, BC]
+        p_fs = p_start[None, :] + (f_pos + W - 1)[:, None] * stride_p_w
+        m_fs = m_w & (f_pos < 0) & (b_read >= 0)
+        b_f += tl.load(p_fs, mask=m_fs[:, None] & m_c[None, :], other=0.0).to(b_f.dtype)
+        tl.debug_barrier()  # every read of the start state is done before the (maybe same) slot is written
+        p_q = out_pool + tl.maximum(b_write, 0) * stride_q_s + o_c[None, :] * stride_q_c + o_w[:, None] * stride_q_w
+        tl.store(p_q, b_f.to(out_pool.dtype.element_ty), mask=m_w[:, None] & m_c[None, :])
+
+
+def shape_class(num_seqs: int, num_tokens: int) -> tuple[int, int]:
+    """(sequence-count bucket, mean-length bucket): the autotune cache splits by these, so a
+    tiny first call does not decide the config of wide passes (DESIGN.md, autotune by shape class)."""
+    return max(num_seqs - 1, 0).bit_length(), max(-(-num_tokens // max(num_seqs, 1)) - 1, 0).bit_length()
+
+
+def preserve_written_slots(pool_arg: str, slots_arg: str):
+    """Autotune (pre_hook, post_hook) that put back the slots a benchmark run overwrote.
+
+    A sequence may read and write the same slot (a long document continuing in place); every
+    benchmark run would otherwise start from the previous run's final state. Only the N written
+    slots are saved (never the pool); a negative index saves and restores slot 0 unchanged."""
+
+    def pre_hook(nargs, reset_only=False):
+        if not reset_only:
+            idx = nargs[slots_arg].clamp(min=0)
+            nargs["_kev_saved_slots"] = (idx, nargs[pool_arg].index_select(0, idx))
+
+    def post_hook(nargs, exception):
+        idx, saved = nargs.pop("_kev_saved_slots")
+        nargs[pool_arg].index_copy_(0, idx, saved)
+
+    return pre_hook, post_hook
+
+
+_tuned_conv_kernel = triton.autotune(configs=CONV_CONFIGS, key=["C", "N_CLASS", "T_CLASS"],
+                                     **dict(zip(("pre_hook", "post_hook"), preserve_written_slots(
+                                         "out_pool", "write_slots"))))(indexed_conv_fwd_kernel)
+
+
+def indexed_causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+    *,
+    out_pool: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+) -> torch.Tensor:
+    """silu(causal depthwise conv(x)) per sequence, starting from bank conv states by index.
+
+    x:             [T, C] packed inputs, any dtype and strides (a column slice of a fused projection is fine)
+    weight:        [C, W] conv taps (kernel size W >= 2)
+    cu_seqlens:    [N + 1] int sequence offsets into x
+    conv_pool:     [S, C, W-1] the last W-1 inputs of each stored sequence; any strides, read in place
+    read_slots:    [N] int, start state slot per sequence (-1: zeros)
+    write_slots:   [N] int, slot that receives the sequence's last W-1 inputs (-1: none)
+    out_pool:      [S', C, W-1] pool written through write_slots (default: conv_pool)
+    chunk_indices: [NT, 2] (sequence, chunk) pairs for chunks of CONV_CHUNK tokens
+                   (fla's `prepare_chunk_indices(cu_seqlens, 64)`; computed, with a host sync, when None)
+    config:        run this one config instead of the autotuner (tests of every config)
+    Returns y: [T, C] contiguous, x's dtype.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, C], got {tuple(x.shape)}")
+    T, C = x.shape
+    if weight.ndim != 2 or weight.shape[0] != C or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [C={C}, W>=2], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    out_pool = conv_pool if out_pool is None else out_pool
+    for name, pool in (("conv_pool", conv_pool), ("out_pool", out_pool)):
+        if pool.ndim != 3 or tuple(pool.shape[1:]) != (C, W - 1):
+            raise ValueError(f"{name} must be [S, C={C}, W-1={W - 1}], got {tuple(pool.shape)}")
+    N = read_slots.shape[0]
+    if read_slots.shape != (N,) or write_slots.shape != (N,) or cu_seqlens.shape != (N + 1,):
+        raise ValueError(f"read_slots {tuple(read_slots.shape)}, write_slots {tuple(write_slots.shape)} must be [N] "
+                         f"and cu_seqlens {tuple(cu_seqlens.shape)} [N + 1]")
+    # index tensors (never the pools) must be contiguous: a strided index view costs a tiny copy
+    read_slots, write_slots, cu_seqlens = read_slots.contiguous(), write_slots.contiguous(), cu_seqlens.contiguous()
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, CONV_CHUNK)
+    chunk_indices = chunk_indices.contiguous()
+    if chunk_indices.ndim != 2 or chunk_indices.shape[1] != 2:
+        raise ValueError(f"chunk_indices must be [NT, 2], got {tuple(chunk_indices.shape)}")
+    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    NT = chunk_indices.shape[0]
+    if NT == 0 or C == 0:
+        return y
+    n_class, t_class = shape_class(N, T)
+    args = (x, weight, y, conv_pool, out_pool, read_slots, write_slots, cu_seqlens, chunk_indices, C,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_pool.stride(), *out_pool.stride(),
+            n_class, t_class)
+    meta = dict(W=W, WP=triton.next_power_of_2(W - 1), BT=CONV_CHUNK)
+
+    def grid(m):
+        return (triton.cdiv(C, m["BC"]), NT)
+
+    if config is None:
+        _tuned_conv_kernel[grid](*args, **meta)
+    else:
+        indexed_conv_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+    return y

@@ -1,0 +1,306 @@
+"""The chunked gated delta rule whose state pass starts from bank slots by index: the indexed scan.
+
+The project's own state-pass ("h") kernel walks the chunks of each sequence keeping the [K, BV]
+fp32 state in registers. It starts from `state_pool[read_slots[n]]` through an explicit slot stride
+(zeros for a negative index), stores the state at the start of every chunk for the output kernel,
+and writes the final state only to `out_pool[write_slots[n]]` when that index is >= 0. No gather,
+no copy, no `.contiguous()` anywhere near the bank. fla 0.6.0's
+`chunk_gated_delta_rule_fwd_kernel_h_blockdim64` is the reference design.
+
+`indexed_chunk_gated_delta_rule` is the whole forward: our strided L2 norm of q and k, then fla's
+chunk-local cumsum, fused KK^T + triangular solve + WY recompute (`chunk_gated_delta_rule_fwd_intra`),
+our state pass, and fla's `chunk_fwd_o`. fla's pieces are called with keywords on activations only
+(never the bank). fla 0.6.0 supports grouped value heads natively (value head j reads key head
+j // (HV / H)), so q and k are never expanded. fla's `l2norm_fwd` views its input as [-1, K], which
+a packed q/k column view cannot do; our L2 norm reads the view in place and writes the contiguous
+normalised copy fla's kernels need. fla's WY recompute reads v as contiguous [T, HV, V], so v is
+made contiguous (an activation copy). Gates follow fla 0.6.0: the chunk cumsum is scaled by
+1/ln 2 and every decay is an exp2.
+
+Reference: `naive.recurrent_gated_delta_rule` / `chunk_torch.chunk_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.utils.constant import RCP_LN2
+from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
+from kev.ops.conv.indexed_conv import preserve_written_slots, shape_class
+
+CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
+
+SCAN_CONFIGS = [
+    triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
+    for BV in [32, 64]
+    for num_warps in [2, 4]
+    for num_stages in [2, 3]
+]
+L2NORM_CONFIGS = [triton.Config({"BTN": 16}, num_warps=4), triton.Config({"BTN": 32}, num_warps=4)]
+if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
+    SCAN_CONFIGS, L2NORM_CONFIGS = SCAN_CONFIGS[:1], L2NORM_CONFIGS[:1]
+
+
+@triton.jit(do_not_specialize=["T"])
+def l2norm_heads_kernel(
+    x,  # [T, H, K] any strides over T and H, unit stride over K
+    y,  # [T, H, K] contiguous
+    T, stride_x_t, stride_x_h, eps,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTN: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BTN + tl.arange(0, BTN)
+    o_k = tl.arange(0, BK)
+    m = (o_t < T)[:, None] & (o_k < K)[None, :]
+    b_x = tl.load(x + o_t[:, None].to(tl.int64) * stride_x_t + i_h * stride_x_h + o_k[None, :], mask=m, other=0.0)
+    b_x = b_x.to(tl.float32)
+    b_y = b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + eps)[:, None]  # x / sqrt(|x|^2 + eps), as the reference
+    tl.store(y + (o_t[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :], b_y.to(y.dtype.element_ty), mask=m)
+
+
+_tuned_l2norm = triton.autotune(configs=L2NORM_CONFIGS, key=["H", "K"])(l2norm_heads_kernel)
+
+
+def l2norm_heads(x: torch.Tensor, eps: float = 1e-6, *, config: triton.Config | None = None) -> torch.Tensor:
+    """x: [T, H, K] (strided view, unit stride over K) -> contiguous [T, H, K] in x's dtype, fp32 maths.
+    `config` runs that one config instead of the autotuner."""
+    if x.ndim != 3 or x.stride(2) != 1:
+        raise ValueError(f"x must be [T, H, K] with unit stride over K, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    T, H, K = x.shape
+    y = torch.empty((T, H, K), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    args, meta = (x, y, T, x.stride(0), x.stride(1), eps), dict(H=H, K=K, BK=triton.next_power_of_2(K))
+
+    def grid(m):
+        return (triton.cdiv(T, m["BTN"]), H)
+
+    if config is None:
+        _tuned_l2norm[grid](*args, **meta)
+    else:
+        l2norm_heads_kernel[grid](*args, **meta, **config.all_kwargs())
+    return y
+
+
+@triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
+def indexed_scan_fwd_kernel(
+    k,  # [T, H, K]
+    w,  # [T, HV, K]
+    u,  # [T, HV, V]
+    g,  # [T, HV] fp32 chunk-local cumsum of the log2 decay
+    h,  # [NTT, HV, K, V] out: state at the start of every chunk (k's dtype)
+    v_new,  # [T, HV, V] out: u - w S
+    state_pool,  # [S, HV, K, V] fp32, read through read_slots
+    out_pool,  # [S', HV, K, V] fp32, written through write_slots
+    read_slots, write_slots,  # [N]
+    cu_seqlens,  # [N + 1]
+    chunk_offsets,  # [N + 1] first chunk of each sequence in h
+    stride_k_t, stride_w_t, stride_u_t, stride_g_t,
+    stride_s_s, stride_s_h, stride_s_k, stride_s_v,
+    stride_o_s, stride_o_h, stride_o_k, stride_o_v,
+    N_CLASS, T_CLASS,  # shape-class autotune keys only
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    NT = tl.cdiv(L, BT)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+
+    b_read = tl.load(read_slots + i_n).to(tl.int64)
+    p_h0 = state_pool + tl.maximum(b_read, 0) * stride_s_s + i_h * stride_s_h \
+        + o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v
+    b_h = tl.load(p_h0, mask=m_kv & (b_read >= 0), other=0.0).to(tl.float32)  # [BK, BV]
+
+    p_k = k + bos * stride_k_t + (i_h // (HV // H)) * K  # value head i_h reads key head i_h // (HV / H)
+    p_w = w + bos * stride_w_t + i_h * K
+    p_u = u + bos * stride_u_t + i_h * V
+    p_vn = v_new + (bos * HV + i_h) * V
+    p_g = g + bos * stride_g_t + i_h
+    for i_t in range(NT):  # no .to() on i_t: the interpreter's range yields Python ints
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < L
+        p_h = h + ((boh + i_t) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
+
+        b_w = tl.load(p_w + o_t[:, None] * stride_w_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        # [BT, BK] @ [BK, BV] -> [BT, BV]
+        b_v = tl.dot(b_w, b_h.to(b_w.dtype))
+        b_u = tl.load(p_u + o_t[:, None] * stride_u_t + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_v = b_u.to(tl.float32) - b_v
+        tl.store(p_vn + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+        last = tl.minimum((i_t + 1) * BT, L) - 1
+        b_g_last = tl.load(p_g + last * stride_g_t).to(tl.float32)
+        b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
+        b_v = b_v * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+        b_h = b_h * tl.exp2(b_g_last)
+
+        b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        # [BK, BT] @ [BT, BV] -> [BK, BV]
+        b_h = tl.dot(b_k, b_v.to(b_k.dtype), b_h)
+
+    tl.debug_barrier()  # the start state is fully read before the (maybe same) slot is written
+    b_write = tl.load(write_slots + i_n).to(tl.int64)
+    p_ht = out_pool + tl.maximum(b_write, 0) * stride_o_s + i_h * stride_o_h \
+        + o_k[:, None] * stride_o_k + o_v[None, :] * stride_o_v
+    tl.store(p_ht, b_h.to(out_pool.dtype.element_ty), mask=m_kv & (b_write >= 0))
+
+
+_save, _restore = preserve_written_slots("out_pool", "write_slots")
+_tuned_scan_kernel = triton.autotune(configs=SCAN_CONFIGS, key=["H", "HV", "K", "V", "N_CLASS", "T_CLASS"],
+                                     pre_hook=_save, post_hook=_restore)(indexed_scan_fwd_kernel)
+
+
+def indexed_scan(
+    k: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    g: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    num_chunks: int,
+    state_pool: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+    *,
+    out_pool: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state pass over chunks of CHUNK tokens.
+
+    k:             [T, H, K] normalised keys (unit stride over K, heads contiguous)
+    w:             [T, HV, K] WY-transformed keys (fla's recompute_w_u), k's dtype
+    u:             [T, HV, V] WY-transformed values
+    g:             [T, HV] fp32 chunk-local cumsum of the decay, in log2 units
+    cu_seqlens:    [N + 1]; chunk_offsets [N + 1] (fla's prepare_chunk_offsets(cu_seqlens, 64))
+    num_chunks:    total chunks over all sequences (len of fla's chunk_indices)
+    state_pool:    [S, HV, K, V] fp32, any strides, read in place through read_slots [N] (-1: zeros)
+    out_pool:      [S', HV, K, V] fp32 written through write_slots [N] (-1: no write); default state_pool
+    Returns (h [num_chunks, HV, K, V] in k's dtype: the state at each chunk start,
+             v_new [T, HV, V] in u's dtype).
+    """
+    T, H, K = k.shape
+    HV, V = u.shape[1], u.shape[2]
+    out_pool = state_pool if out_pool is None else out_pool
+    if K > 256:
+        raise ValueError(f"key head dim {K} > 256 is not supported (state [K, BV] lives in registers)")
+    if HV % H:
+        raise ValueError(f"value heads {HV} must be a multiple of key heads {H}")
+    if tuple(w.shape) != (T, HV, K) or u.shape[0] != T or tuple(g.shape) != (T, HV):
+        raise ValueError(f"w {tuple(w.shape)} must be [T={T}, HV={HV}, K={K}], u {tuple(u.shape)} [T, HV, V], "
+                         f"g {tuple(g.shape)} [T, HV]")
+    for name, t in (("k", k), ("w", w), ("u", u)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name} {tuple(t.shape)} needs heads and features contiguous, strides {t.stride()}")
+    for name, pool in (("state_pool", state_pool), ("out_pool", out_pool)):
+        if pool.ndim != 4 or tuple(pool.shape[1:]) != (HV, K, V) or pool.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 [S, HV={HV}, K={K}, V={V}], got {tuple(pool.shape)} {pool.dtype}")
+    N = read_slots.shape[0]
+    if write_slots.shape != (N,) or cu_seqlens.shape != (N + 1,) or chunk_offsets.shape != (N + 1,):
+        raise ValueError(f"read_slots {tuple(read_slots.shape)}, write_slots {tuple(write_slots.shape)}, "
+                         f"cu_seqlens {tuple(cu_seqlens.shape)}, chunk_offsets {tuple(chunk_offsets.shape)} "
+                         f"must be [N], [N], [N + 1], [N + 1]")
+    # index tensors (never the pools) must be contiguous: a strided index view costs a tiny copy
+    read_slots, write_slots = read_slots.contiguous(), write_slots.contiguous()
+    cu_seqlens, chunk_offsets = cu_seqlens.contiguous(), chunk_offsets.contiguous()
+    h = k.new_empty(num_chunks, HV, K, V)
+    v_new = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
+    if N == 0:
+        return h, v_new
+    n_class, t_class = shape_class(N, T)
+    args = (k, w, u, g, h, v_new, state_pool, out_pool, read_slots, write_slots, cu_seqlens, chunk_offsets,
+            k.stride(0), w.stride(0), u.stride(0), g.stride(0), *state_pool.stride(), *out_pool.stride(),
+            n_class, t_class)
+    meta = dict(H=H, HV=HV, K=K, V=V, BT=CHUNK, BK=max(16, triton.next_power_of_2(K)))
+
+    def grid(m):
+        return (triton.cdiv(V, m["BV"]), N * HV)
+
+    if config is None:
+        _tuned_scan_kernel[grid](*args, **meta)
+    else:
+        indexed_scan_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+    return h, v_new
+
+
+def indexed_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    read_slots: torch.Tensor,
+    write_slots: torch.Tensor,
+    *,
+    out_pool: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    scan_config: triton.Config | None = None,
+) -> torch.Tensor:
+    """Varlen chunked gated delta rule whose sequences start from (and end in) bank slots by index.
+
+    q:             [T, H, K] raw queries, any strides with unit stride over K (L2-normalised inside)
+    k:             [T, H, K] raw keys, likewise
+    v:             [T, HV, V] values, HV a multiple of H (value head j reads key head j // (HV/H))
+    g:             [T, HV] fp32 log decay (natural log, per token)
+    beta:          [T, HV]
+    cu_seqlens:    [N + 1] int64 sequence offsets
+    state_pool:    [S, HV, K, V] fp32, read in place at read_slots [N] (-1: zero state)
+    write_slots:   [N] slot of out_pool (default state_pool) that receives the final state (-1: none)
+    scale:         query scale (default K^-0.5)
+    chunk_indices: [NT, 2] fla's prepare_chunk_indices(cu_seqlens, 64); chunk_offsets: [N + 1]
+                   fla's prepare_chunk_offsets(cu_seqlens, 64). Computed (host sync) when None; pass
+                   them precomputed for CUDA graphs.
+    scan_config:   run the state pass with this one config instead of the autotuner
+    Returns o: [T, HV, V] in v's dtype.
+    """
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, K], v {tuple(v.shape)} [T, HV, V]")
+    T, H, K = q.shape
+    HV = v.shape[1]
+    if HV % H:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H} (v {tuple(v.shape)})")
+    if tuple(g.shape) != (T, HV) or tuple(beta.shape) != (T, HV):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T={T}, HV={HV}]")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g must be fp32, got {g.dtype}")
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK)
+    scale = K ** -0.5 if scale is None else scale
+    if T == 0:
+        return v.new_empty(v.shape)
+
+    q, k = l2norm_heads(q), l2norm_heads(k)  # [T, H, K] contiguous
+    v = v.contiguous()  # fla's WY recompute reads [T, HV, V] contiguous (an activation copy, never the bank)
+    g, beta = g.contiguous(), beta.contiguous()
+    # [1, T, HV] chunk-local cumsum in log2 units (fla 0.6.0's gate convention)
+    g_cum = chunk_local_cumsum(g=g[None], chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                               chunk_indices=chunk_indices)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
+                                               cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
+    h, v_new = indexed_scan(k, w[0], u[0], g_cum[0], cu_seqlens, chunk_offsets, chunk_indices.shape[0],
+                            state_pool, read_slots, write_slots, out_pool=out_pool, config=scan_config)
+    o = chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cum, scale=scale,
+                    cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
+    return o[0]

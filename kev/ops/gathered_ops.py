@@ -1,0 +1,105 @@
+"""`GatheredOps`: the gathered row path, kept as the benchmark baseline and as a test oracle.
+
+Per layer and state kind, one `index_select` copies the rows' stored states into preallocated row
+buffers (recurrent states [N, HV, K, V], conv states [N, C, W-1], K/V pages [N * P, BS, Hkv, D]);
+then the very same kernels as `TritonOps` run with read indices arange(N) (and a block table that
+points into the page buffer). Writes (state passes) still go to the bank by `write_slots`.
+Everything else is identical, so indexed and gathered results must match bit for bit.
+
+The page buffer holds P = ceil(max prefix / BS) pages per row. P comes from `max_prefix_tokens`
+when given (no host sync: benchmarks and graph capture), else from the pass's host metadata.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
+from kev.ops.conv.indexed_conv import indexed_causal_conv
+from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
+from kev.ops.meta import PassMeta
+from kev.ops.triton_ops import TritonOps
+
+
+@dataclass(frozen=True, eq=False)
+class GatherIndices:
+    """Per-pass gather plan (shared by every layer)."""
+
+    rows: torch.Tensor  # [N] int64 source slot of each row (negative reads clamped to 0)
+    row_slots: torch.Tensor  # [N] int64 read index into the row buffer: n, or -1 where read_slots is -1
+    page_plans: dict[int, tuple[torch.Tensor, torch.Tensor]]  # block size -> (pages [N * P] int64, table [N, P] int32)
+
+
+class GatheredOps(TritonOps):
+    name = "gathered"
+
+    def __init__(self, max_prefix_tokens: int | None = None) -> None:
+        super().__init__()
+        self.max_prefix_tokens = max_prefix_tokens
+        self._plans: weakref.WeakKeyDictionary[PassMeta, GatherIndices] = weakref.WeakKeyDictionary()
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def buffer(self, kind: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A preallocated [rows, *like.shape[1:]] row buffer (grown, never shrunk; reused by every layer)."""
+        key = (kind, tuple(like.shape[1:]), like.dtype, like.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, 1), *like.shape[1:]), dtype=like.dtype, device=like.device)
+            self._buffers[key] = buf
+        return buf[:rows]
+
+    def plan(self, meta: PassMeta) -> GatherIndices:
+        plan = self._plans.get(meta)
+        if plan is None:
+            read = meta.read_slots
+            arange = torch.arange(meta.num_seqs, device=read.device)
+            plan = GatherIndices(rows=read.clamp(min=0), row_slots=torch.where(read >= 0, arange, -1), page_plans={})
+            self._plans[meta] = plan
+        return plan
+
+    def page_plan(self, meta: PassMeta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source pages [N * P], block table [N, P] into the page buffer) for P pages per row."""
+        plans = self.plan(meta).page_plans
+        if block_size not in plans:
+            N = meta.num_seqs
+            longest = self.max_prefix_tokens
+            if longest is None:
+                longest = max(meta.host.prefix_lens, default=0)
+            P = max(1, -(-longest // block_size))
+            if P > meta.block_table.shape[1]:
+                raise ValueError(f"a prefix of {longest} tokens needs {P} pages; block_table is "
+                                 f"{tuple(meta.block_table.shape)}")
+            device = meta.block_table.device
+            plans[block_size] = (meta.block_table[:, :P].clamp(min=0).reshape(-1).long(),
+                                 torch.arange(N * P, dtype=torch.int32, device=device).view(N, P))
+        return plans[block_size]
+
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
+        plan = self.plan(meta)
+        rows = torch.index_select(conv_pool, 0, plan.rows, out=self.buffer("conv", meta.num_seqs, conv_pool))
+        return indexed_causal_conv(x=x, weight=weight, cu_seqlens=meta.cu_seqlens, conv_pool=rows,
+                                   read_slots=plan.row_slots, write_slots=meta.write_slots, out_pool=conv_pool,
+                                   chunk_indices=self.prepare(meta).chunks)
+
+    def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
+        plan, idx = self.plan(meta), self.prepare(meta)
+        rows = torch.index_select(state_pool, 0, plan.rows, out=self.buffer("recurrent", meta.num_seqs, state_pool))
+        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
+                                              state_pool=rows, read_slots=plan.row_slots,
+                                              write_slots=meta.write_slots, out_pool=state_pool,
+                                              chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets)
+
+    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
+        pages, row_table = self.page_plan(meta, key_pages.shape[1])
+        n = pages.shape[0]
+        kbuf = torch.index_select(key_pages, 0, pages, out=self.buffer("keys", n, key_pages))
+        vbuf = torch.index_select(value_pages, 0, pages, out=self.buffer("values", n, value_pages))
+        chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))
+        return paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
+                                      key_pages=kbuf, value_pages=vbuf, block_table=row_table,
+                                      write_slots=meta.write_slots, out_key_pages=key_pages,
+                                      out_value_pages=value_pages, write_table=meta.block_table,
+                                      chunk_indices=chunks)

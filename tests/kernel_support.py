@@ -1,0 +1,66 @@
+"""Whole-model state and row passes straight from `PassMeta`, for the kernel tests (CPU and GPU).
+
+Builds its own pools and block tables (optionally as strided views of larger buffers) so the
+kernel tests do not depend on the bank allocator's API.
+"""
+
+import torch
+
+from kev.bank.layout import StatePools
+from kev.ops.meta import PassMeta
+
+
+def packed(lens, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64,
+                        device=device)
+
+
+def make_pools(cfg, num_slots, max_doc_tokens, block_size, dtype, device, strided=False):
+    """(pools, block table [num_slots, MB] int32); slot s owns pages [s * MB, (s + 1) * MB)."""
+    MB = -(-max_doc_tokens // block_size)
+    shapes = StatePools.shapes(cfg, num_slots, num_slots * MB, block_size)
+
+    def alloc(shape, dt):
+        if not strided:
+            return torch.zeros(shape, dtype=dt, device=device)
+        base = torch.zeros((2 * shape[0] + 1, *[d + 1 for d in shape[1:]]), dtype=dt, device=device)
+        return base[1::2][(slice(None), *[slice(1, 1 + d) for d in shape[1:]])]
+
+    n_delta, n_attn = len(cfg.deltanet_layers), len(cfg.attention_layers)
+    pools = StatePools(
+        recurrent=tuple(alloc(shapes["recurrent"], torch.float32) for _ in range(n_delta)),
+        conv=tuple(alloc(shapes["conv"], dtype) for _ in range(n_delta)),
+        keys=tuple(alloc(shapes["kv"], dtype) for _ in range(n_attn)),
+        values=tuple(alloc(shapes["kv"], dtype) for _ in range(n_attn)),
+        block_size=block_size,
+    )
+    table = torch.arange(num_slots * MB, dtype=torch.int32, device=device).view(num_slots, MB)
+    return pools, table
+
+
+@torch.no_grad()
+def state_pass(model, ops, pools, table, docs, slots, chunk=None):
+    """Write each document's states into its slot; long documents in chunks carried in the slot."""
+    device = table.device
+    done, chunk = 0, chunk or max(len(d) for d in docs)
+    while done < max(len(d) for d in docs):
+        live = [i for i, d in enumerate(docs) if len(d) > done]
+        parts = [docs[i][done:done + chunk] for i in live]
+        s = torch.tensor([slots[i] for i in live], dtype=torch.int64, device=device)
+        meta = PassMeta(cu_seqlens=packed([len(p) for p in parts], device),
+                        read_slots=s if done else torch.full_like(s, -1), write_slots=s,
+                        prefix_lens=torch.full_like(s, done), block_table=table[s])
+        tokens = torch.tensor([t for p in parts for t in p], dtype=torch.int64, device=device)
+        model(tokens, meta, pools, ops, picks=torch.zeros(0, dtype=torch.int64, device=device))
+        done += chunk
+
+
+@torch.no_grad()
+def row_pass(model, ops, pools, table, rows, read_slots, doc_lens):
+    """[T, d] final hidden states of every row token; `read_slots` may be any (strided) int64 view."""
+    device = table.device
+    meta = PassMeta(cu_seqlens=packed([len(r) for r in rows], device), read_slots=read_slots,
+                    write_slots=torch.full(read_slots.shape, -1, dtype=torch.int64, device=device),
+                    prefix_lens=doc_lens[read_slots], block_table=table[read_slots])
+    tokens = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)
+    return model(tokens, meta, pools, ops)

@@ -1,0 +1,426 @@
+"""The project's own Triton kernels under TRITON_INTERPRET=1 on CPU, against the torch references.
+
+Triton decides between compiled and interpreted kernels when `@triton.jit` runs (at import), so
+the `interp` fixture imports fresh copies of the kernel modules and of fla with the variable set,
+and puts the previous modules back afterwards (nothing leaks into other tests). Every autotuned
+kernel runs one pinned config there: the autotuner cannot benchmark without a GPU.
+
+Shapes are tiny (K = V = 16, head_dim 32): the interpreter is slow. Parametrized by what changes
+the code path: sequence lengths around the 64-token chunk (1, 63, 65), head ratios 1 and 2 (3 for
+attention: a non-power-of-two row stack), strided/packed views, repeated reads, skipped writes.
+`test_compile_count_*` runs the real (non-interpreted) JIT front end against a fake Hopper target
+and counts the compile keys over batch sizes 1..64 (no GPU needed, nothing is compiled).
+"""
+
+import importlib
+import sys
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
+from kev.ops.meta import PassMeta
+from kev.ops.torch_ops import TorchOps
+
+MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan", "kev.ops.attention.paged_prefix",
+           "kev.ops.triton_ops", "kev.ops.gathered_ops")
+
+
+def rel_err(ref, out):
+    ref, out = ref.double(), out.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _swap_modules(names_prefixes, saved=None):
+    """Remove (and return) the modules under the given prefixes; restore `saved` when given."""
+    gone = {n: m for n, m in sys.modules.items() if n == "fla" or n.startswith(names_prefixes)}
+    for n in gone:
+        del sys.modules[n]
+    if saved is not None:
+        sys.modules.update(saved)
+        for n, m in saved.items():  # parent packages point at the restored submodules again
+            parent, _, child = n.rpartition(".")
+            if parent in sys.modules:
+                setattr(sys.modules[parent], child, m)
+    return gone
+
+
+@pytest.fixture(scope="module")
+def interp():
+    prefixes = ("fla.", *MODULES)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        import triton.runtime.interpreter as interpreter
+        from triton.runtime.autotuner import Autotuner
+
+        # numpy >= 2.4 refuses int() of the interpreter's 1-element scalars, which `range(tensor)`
+        # needs (loops bounded by loaded lengths). Patch the interpreter's __index__ for the run.
+        original = interpreter._patch_lang_tensor
+
+        def patch_lang_tensor(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+        # triton.language's own @jit helpers (tl.zeros, tl.cdiv, ...) were decorated when triton was
+        # first imported, maybe before the variable was set: run them interpreted when called from
+        # an interpreted kernel instead of refusing.
+        from triton.runtime.jit import JITFunction
+
+        as_interpreted = {}
+
+        def call_interpreted(self, *args, **kwargs):
+            if self.fn not in as_interpreted:
+                as_interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+            return as_interpreted[self.fn](*args, **kwargs)
+
+        mp.setattr(JITFunction, "__call__", call_interpreted)
+        saved = _swap_modules(prefixes)
+        try:
+            mods = SimpleNamespace(
+                conv=importlib.import_module("kev.ops.conv.indexed_conv"),
+                scan=importlib.import_module("kev.ops.delta_rule.indexed_scan"),
+                attn=importlib.import_module("kev.ops.attention.paged_prefix"),
+                triton_ops=importlib.import_module("kev.ops.triton_ops"),
+                gathered_ops=importlib.import_module("kev.ops.gathered_ops"),
+            )
+            for name, mod in list(sys.modules.items()):  # pin fla's autotuned kernels to one config
+                if name.startswith("fla"):
+                    for obj in list(vars(mod).values()):
+                        while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                            obj = obj.fn
+                        if isinstance(obj, Autotuner) and len(obj.configs) > 1:
+                            mp.setattr(obj, "configs", obj.configs[:1])
+            yield mods
+        finally:
+            _swap_modules(prefixes, saved)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float tensor the kernels allocate starts as NaN: an unwritten element fails the test."""
+    empty, new_empty = torch.empty, torch.Tensor.new_empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_new_empty(self, *args, **kwargs):
+        t = new_empty(self, *args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+
+
+def packed(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def strided_pool(g, shape, dtype=torch.float32):
+    """A pool that is a non-contiguous view of a larger buffer (every other slot, padded inner dims)."""
+    base = torch.randn((2 * shape[0] + 1, *[d + 3 for d in shape[1:]]), generator=g).to(dtype)
+    view = base[1::2][(slice(None), *[slice(1, 1 + d) for d in shape[1:]])]
+    assert not view.is_contiguous() and view.shape == shape
+    return base, view
+
+
+# (sequence lengths, read slots, write slots): repeated reads, -1 reads, -1 writes, read == write
+CASES = {
+    "T1": ([1], [3], [-1]),
+    "T63": ([63], [-1], [2]),
+    "T65-mixed": ([65, 1, 2, 63], [0, 0, -1, 5], [-1, 4, 1, 5]),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_conv_matches_reference(interp, poisoned, case):
+    from kev.ops.conv.naive import causal_conv_reference
+
+    lens, read, write = CASES[case]
+    g = torch.Generator().manual_seed(len(lens))
+    C, W, S, T = 40, 4, 6, sum(lens)
+    buf = torch.randn(T, C + 24, generator=g)
+    x = buf[:, 8:8 + C]  # a packed column view, as q/k/v out of one projection
+    weight = torch.randn(C, W, generator=g)
+    base, pool = strided_pool(g, (S, C, W - 1))
+    ref_pool = pool.clone()
+    before = base.clone()
+    cu = packed(lens)
+    out = interp.conv.indexed_causal_conv(x=x, weight=weight, cu_seqlens=cu, conv_pool=pool,
+                                          read_slots=torch.tensor(read), write_slots=torch.tensor(write))
+    ref = causal_conv_reference(x, weight, cu.tolist(), ref_pool, read, write)
+    assert rel_err(ref, out) <= 1e-5
+    assert torch.equal(pool, ref_pool), "final conv states differ (or landed elsewhere)"
+    outside = torch.ones_like(base, dtype=torch.bool)
+    outside[1::2, 1:1 + C, 1:W] = False
+    assert torch.equal(base[outside], before[outside]), "a write landed outside the pool view"
+
+
+def scan_reference(k, w, u, g, lens, h0s):
+    """The state pass in plain torch (fp64): per sequence and chunk of 64, what the h kernel computes."""
+    hs, v_new, finals = [], torch.empty(u.shape, dtype=torch.float64), []
+    s = 0
+    HV, H = u.shape[1], k.shape[1]
+    kk = k.double().repeat_interleave(HV // H, dim=1)
+    for L, S in zip(lens, h0s):
+        S = S.double().clone()
+        for c in range(0, L, 64):
+            e = min(c + 64, L)
+            hs.append(S.clone())
+            bw, bu, bk, bg = w[s + c:s + e].double(), u[s + c:s + e].double(), kk[s + c:s + e], g[s + c:s + e].double()
+            vn = bu - torch.einsum("thk,hkv->thv", bw, S)
+            v_new[s + c:s + e] = vn
+            decay = torch.exp2(bg[-1][None] - bg)  # [C, HV]
+            S = S * torch.exp2(bg[-1])[:, None, None] + torch.einsum("thk,thv->hkv", bk, vn * decay[..., None])
+        finals.append(S)
+        s += L
+    return torch.stack(hs), v_new, finals
+
+
+@pytest.mark.parametrize("ratio", [1, 2], ids=lambda r: f"hv_per_h={r}")
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_state_pass_kernel_matches_reference(interp, poisoned, case, ratio):
+    lens, read, write = CASES[case]
+    g = torch.Generator().manual_seed(10 + ratio)
+    H, K, V, S, T = 2, 16, 16, 6, sum(lens)
+    HV = H * ratio
+    k = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    w = torch.randn(T, HV, K, generator=g) * 0.3
+    u = torch.randn(T, HV, V, generator=g)
+    cu = packed(lens)
+    gate = torch.cat([(-torch.rand(L, HV, generator=g) * 0.3).cumsum(0) % -4 for L in lens])  # any chunk-local values
+    base, pool = strided_pool(g, (S, HV, K, V))
+    h0s = [pool[r].clone() if r >= 0 else torch.zeros(HV, K, V) for r in read]
+    offsets = torch.tensor([0, *torch.tensor([-(-L // 64) for L in lens]).cumsum(0).tolist()])
+    before = pool.clone()
+    h, v_new = interp.scan.indexed_scan(k, w, u, gate, cu, offsets, int(offsets[-1]), pool, torch.tensor(read),
+                                        torch.tensor(write))
+    ref_h, ref_v, finals = scan_reference(k, w, u, gate, lens, h0s)
+    assert rel_err(ref_h, h) <= 1e-5 and rel_err(ref_v, v_new) <= 1e-5
+    expect = before.clone()
+    for n, slot in enumerate(write):
+        if slot >= 0:
+            expect[slot] = finals[n].float()
+    assert rel_err(expect, pool) <= 1e-5
+    untouched = [s for s in range(S) if s not in write]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("ratio", [1, 2], ids=lambda r: f"hv_per_h={r}")
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio):
+    lens, read, write = CASES[case]
+    g = torch.Generator().manual_seed(20 + ratio)
+    H, K, V, S, T = 2, 16, 16, 6, sum(lens)
+    HV = H * ratio
+    qkv = torch.randn(T, 2 * H * K + HV * V + 5, generator=g)  # packed, with padding: strided views
+    q = qkv[:, :H * K].unflatten(1, (H, K))
+    k = qkv[:, H * K:2 * H * K].unflatten(1, (H, K))
+    v = qkv[:, 2 * H * K:2 * H * K + HV * V].unflatten(1, (HV, V))
+    gate = -torch.rand(T, HV, generator=g) * 0.5
+    beta = torch.rand(T, HV, generator=g)
+    _, pool = strided_pool(g, (S, HV, K, V))
+    pool.mul_(0.3)
+    before = pool.clone()
+    cu = packed(lens)
+    o = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=cu, state_pool=pool,
+                                                   read_slots=torch.tensor(read), write_slots=torch.tensor(write))
+    # the reference: normalise like TorchOps, expand heads, recur token by token in fp64
+    qn = torch.nn.functional.normalize(q, dim=-1, eps=0).repeat_interleave(ratio, 1) * K ** -0.5
+    kn = torch.nn.functional.normalize(k, dim=-1, eps=0).repeat_interleave(ratio, 1)
+    expect = before.clone()
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        h0 = before[read[n]] if read[n] >= 0 else torch.zeros(HV, K, V)
+        ro, rs = recurrent_gated_delta_rule(qn[s:e], kn[s:e], v[s:e], gate[s:e], beta[s:e], h0.double())
+        assert rel_err(ro, o[s:e]) <= 2e-3, f"sequence {n}"
+        if write[n] >= 0:
+            expect[write[n]] = rs.float()
+    assert rel_err(expect, pool) <= 2e-3
+
+
+def test_packed_views_bit_identical(interp):
+    """Packed q/k/v column views give bit-identical outputs to contiguous copies."""
+    g = torch.Generator().manual_seed(5)
+    H, HV, K, V, T = 2, 4, 16, 16, 70
+    qkv = torch.randn(T, 2 * H * K + HV * V, generator=g)
+    q, k = qkv[:, :H * K].unflatten(1, (H, K)), qkv[:, H * K:2 * H * K].unflatten(1, (H, K))
+    v = qkv[:, 2 * H * K:].unflatten(1, (HV, V))
+    gate, beta = -torch.rand(T, HV, generator=g), torch.rand(T, HV, generator=g)
+    pool = torch.randn(3, HV, K, V, generator=g)
+    cu, read, write = torch.tensor([0, 30, 70]), torch.tensor([1, 1]), torch.tensor([-1, -1])
+    a = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=cu, state_pool=pool,
+                                                   read_slots=read, write_slots=write)
+    b = interp.scan.indexed_chunk_gated_delta_rule(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=gate,
+                                                   beta=beta, cu_seqlens=cu, state_pool=pool.clone(),
+                                                   read_slots=read, write_slots=write)
+    assert torch.equal(a, b)
+    weight = torch.randn(qkv.shape[1] - 8, 4, generator=g)
+    cpool = torch.randn(3, weight.shape[0], 3, generator=g)
+    ya = interp.conv.indexed_causal_conv(x=qkv[:, 8:], weight=weight, cu_seqlens=cu, conv_pool=cpool,
+                                         read_slots=read, write_slots=write)
+    yb = interp.conv.indexed_causal_conv(x=qkv[:, 8:].contiguous(), weight=weight, cu_seqlens=cu, conv_pool=cpool,
+                                         read_slots=read, write_slots=write)
+    assert torch.equal(ya, yb)
+
+
+ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
+    "T1-prefix40": ([1], [40], [-1]),
+    "T63-noprefix-write": ([63], [0], [0]),
+    "T65-mixed": ([65, 1, 17], [5, 40, 16], [1, -1, 2]),
+}
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
+@pytest.mark.parametrize("case", ATTN_CASES, ids=list(ATTN_CASES))
+def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads):
+    lens, prefixes, write = ATTN_CASES[case]
+    HQ, HKV = heads
+    D, BS, NB = 32, 16, 24
+    g = torch.Generator().manual_seed(HQ + len(lens))
+    T, N = sum(lens), len(lens)
+    q = torch.randn(T, HQ, D + 8, generator=g)[..., 4:4 + D]  # strided views
+    k = torch.randn(T, HKV, D, generator=g)
+    v = torch.randn(T, HKV, D + 2, generator=g)[..., :D]
+    kbase, key_pages = strided_pool(g, (NB, BS, HKV, D))
+    _, value_pages = strided_pool(g, (NB, BS, HKV, D))
+    perm = torch.randperm(NB, generator=g)
+    MB, table, used = 8, [], 0
+    for L, P in zip(lens, prefixes):
+        need = -(-(P + L) // BS)
+        table.append(perm[used:used + need].tolist() + [-1] * (MB - need))
+        used += need
+    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
+                    write_slots=torch.tensor(write), prefix_lens=torch.tensor(prefixes),
+                    block_table=torch.tensor(table, dtype=torch.int32))
+    ref_k, ref_v = key_pages.clone(), value_pages.clone()
+    kbefore = kbase.clone()
+    out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
+                                             key_pages=key_pages, value_pages=value_pages,
+                                             block_table=meta.block_table, write_slots=meta.write_slots)
+    ref = TorchOps().attention(q, k, v, meta, ref_k, ref_v)
+    assert rel_err(ref, out) <= 1e-5
+    assert torch.equal(key_pages, ref_k) and torch.equal(value_pages, ref_v)
+    outside = torch.ones_like(kbase, dtype=torch.bool)
+    outside[1::2, 1:1 + BS, 1:1 + HKV, 1:1 + D] = False
+    assert torch.equal(kbase[outside], kbefore[outside])
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from random_models import random_model, tiny_config
+
+    return random_model(tiny_config(hv_per_h=2), seed=3)
+
+
+def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
+    """Whole model, rows continuing stored documents: Triton indexed == gathered bit for bit, ~= torch.
+    Strided pools, repeated read slots, a long document state-passed in chunks carried in its slot."""
+    from kernel_support import make_pools, row_pass, state_pass
+
+    model = tiny_model
+    g = torch.Generator().manual_seed(9)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (40, 150)]
+    rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 17, 65)]
+    slots = [2, 0]
+    read = torch.tensor([0, 7, 2, 7, 0, 7])[::2]  # a strided index view: slots 0, 2, 0
+    doc_lens = torch.tensor([150, 0, 40, 0])
+    outs, banks = {}, {}
+    for name, ops in (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps()),
+                      ("gathered", interp.gathered_ops.GatheredOps())):
+        pools, table = make_pools(model.cfg, 4, 160, 16, torch.float32, "cpu", strided=True)
+        state_pass(model, ops, pools, table, docs, slots, chunk=64)
+        before = [t.clone() for t in pools.tensors()]
+        outs[name] = row_pass(model, ops, pools, table, rows, read, doc_lens)
+        assert all(torch.equal(b, a) for b, a in zip(before, pools.tensors())), f"{name}: a row pass wrote the bank"
+        banks[name] = pools
+    assert torch.equal(outs["indexed"], outs["gathered"])
+    assert rel_err(outs["torch"], outs["indexed"]) <= 2e-3
+    for a, b in zip(banks["torch"].tensors(), banks["indexed"].tensors()):
+        assert rel_err(a, b) <= 2e-3
+
+
+# ---- compile count: the real JIT front end, a fake Hopper target, nothing compiled ----
+
+class _FakeHopper:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def compiled_modules():
+    """Fresh non-interpreted imports of the kernel modules (whatever an interp fixture left active)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check (the GPU test counts real compiles)")
+    prefixes = ("fla.", *MODULES)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        saved = _swap_modules(prefixes)
+        try:
+            yield SimpleNamespace(conv=importlib.import_module("kev.ops.conv.indexed_conv"),
+                                  scan=importlib.import_module("kev.ops.delta_rule.indexed_scan"),
+                                  attn=importlib.import_module("kev.ops.attention.paged_prefix"))
+        finally:
+            _swap_modules(prefixes, saved)
+
+
+def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
+    """Batch size, row count, token count, pool size and slot count change no compile key."""
+    import triton
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
+    kernels = [indexed_conv.indexed_conv_fwd_kernel, indexed_scan.indexed_scan_fwd_kernel,
+               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel]
+    for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
+        monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
+    monkeypatch.setattr(driver, "_active", _FakeHopper())
+    keys = defaultdict(set)
+
+    def record(*, key, fn, **_):
+        keys[fn.name].add(key)
+        return True  # skip the compile itself
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", record)
+    H, HV, K, V, C, W, HQ, HKV, D, BS = 2, 4, 16, 16, 96, 4, 4, 2, 32, 16
+    for N in range(1, 65):
+        L = 1 + (N * 37) % 70
+        T, S = N * L, N + (N % 5)  # pools of varying size
+        cu = torch.arange(N + 1) * L
+        read = torch.randint(0, S, (N,))
+        write = torch.full((N,), -1)
+        chunks = torch.stack([torch.arange(N).repeat_interleave(-(-L // 64)),
+                              torch.arange(-(-L // 64)).repeat(N)], 1)
+        offsets = torch.arange(N + 1) * -(-L // 64)
+        x = torch.randn(T, C + 8)[:, :C]
+        indexed_conv.indexed_causal_conv(x=x, weight=torch.randn(C, W), cu_seqlens=cu,
+                                         conv_pool=torch.zeros(S, C, W - 1), read_slots=read, write_slots=write,
+                                         chunk_indices=chunks, config=indexed_conv.CONV_CONFIGS[0])
+        qk = torch.randn(T, 2, H, K)
+        indexed_scan.l2norm_heads(qk[:, 0], config=indexed_scan.L2NORM_CONFIGS[0])
+        indexed_scan.indexed_scan(torch.randn(T, H, K), torch.randn(T, HV, K), torch.randn(T, HV, V),
+                                  torch.randn(T, HV), cu, offsets, chunks.shape[0], torch.zeros(S, HV, K, V),
+                                  read, write, config=indexed_scan.SCAN_CONFIGS[0])
+        block = paged_prefix.query_block(HQ // HKV)
+        nb = -(-L // block)
+        attn_chunks = torch.stack([torch.arange(N).repeat_interleave(nb), torch.arange(nb).repeat(N)], 1)
+        paged_prefix.paged_prefix_attention(
+            q=torch.randn(T, HQ, D), k=torch.randn(T, HKV, D), v=torch.randn(T, HKV, D), cu_seqlens=cu,
+            prefix_lens=torch.randint(0, 40, (N,)), key_pages=torch.zeros(S * 3, BS, HKV, D),
+            value_pages=torch.zeros(S * 3, BS, HKV, D), block_table=torch.zeros(N, 4, dtype=torch.int32),
+            write_slots=write, chunk_indices=attn_chunks, config=paged_prefix.ATTN_CONFIGS[0])
+    assert len(keys) == len(kernels), sorted(keys)
+    assert {name: len(k) for name, k in keys.items()} == {name: 1 for name in keys}
+    assert triton.__version__.startswith("3.6"), "kernels are written against Triton 3.6"
