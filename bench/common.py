@@ -65,6 +65,20 @@ def cuda_ms(fn: Callable[[], object], reps: int) -> list[float]:
     return out
 
 
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up on a side stream (compiles, autotunes), then capture it; returns (graph, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def floor_ms(cfg: ModelConfig, tokens: int, tflops: float) -> float:
     """The matmul floor of one pass: 2 x non-embedding params x tokens at the measured rate."""
     return 2 * cfg.non_embedding_params() * tokens / (tflops * 1e12) * 1e3

@@ -5,6 +5,10 @@
 one index_select per state kind per layer into preallocated row buffers, then the same kernels.
 `gather_ms` times those copies alone, in the same run. Medians of alternating runs.
 
+Each variant is timed as a CUDA-graph replay (the way the server runs row passes), so what is
+measured is GPU work: an eager pass is host-bound here and would hide the copies in launch gaps.
+Eager times are reported beside them.
+
     python -m bench.row_pass_ab --out bench/results/row_pass_ab.json
 """
 
@@ -15,7 +19,7 @@ import statistics
 
 import torch
 
-from bench.common import cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
+from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
 from kev.ops.gathered_ops import GatheredOps
 from kev.ops.triton_ops import TritonOps
@@ -55,18 +59,27 @@ def run_case(model, cfg, doc_tokens: int, docs: int, per_doc: int, row_tokens: i
 
     out_i, out_g = pass_with(indexed), pass_with(gathered)  # warm-up (compiles, autotunes)
     bit_identical = torch.equal(out_i, out_g)
-    t_i, t_g, t_copy = [], [], []
+    g_i, gout_i = capture(lambda: pass_with(indexed))
+    g_g, gout_g = capture(lambda: pass_with(gathered))
+    g_c, _ = capture(lambda: gather_only(gathered, meta, bank.pools))
+    g_i.replay(), g_g.replay()
+    graph_equals_eager = torch.equal(gout_i, out_i) and torch.equal(gout_g, out_g)
+    t_i, t_g, t_copy, e_i, e_g = [], [], [], [], []
     for _ in range(reps):  # alternate so drift hits both alike
-        t_i += cuda_ms(lambda: pass_with(indexed), 1)
-        t_g += cuda_ms(lambda: pass_with(gathered), 1)
-        t_copy += cuda_ms(lambda: gather_only(gathered, meta, bank.pools), 1)
+        t_i += cuda_ms(g_i.replay, 1)
+        t_g += cuda_ms(g_g.replay, 1)
+        t_copy += cuda_ms(g_c.replay, 1)
+    for _ in range(5):
+        e_i += cuda_ms(lambda: pass_with(indexed), 1)
+        e_g += cuda_ms(lambda: pass_with(gathered), 1)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, bank.pools.tensors()))
     tokens = len(rows) * row_tokens
     med = statistics.median
     return {"rows": len(rows), "row_tokens": row_tokens, "doc_tokens": doc_tokens,
             "gathered_ms": med(t_g), "indexed_ms": med(t_i), "gather_ms": med(t_copy),
             "floor_ms": floor_ms(cfg, tokens, tflops), "bit_identical": bit_identical,
-            "bank_unchanged": unchanged, "reps": reps,
+            "bank_unchanged": unchanged, "graph_equals_eager": graph_equals_eager, "reps": reps,
+            "eager_indexed_ms": med(e_i), "eager_gathered_ms": med(e_g),
             "saved_fraction_of_gather": (med(t_g) - med(t_i)) / med(t_copy)}
 
 

@@ -182,7 +182,7 @@ class Qwen35Model(nn.Module):
         picks: torch.Tensor | None = None,  # [P] packed indices whose final hidden states to return
     ) -> torch.Tensor:  # [P or T, d] after the final norm
         x = self.embed_tokens(tokens)
-        rope = rope_tables(meta.positions(), self.cfg, x.dtype)
+        rope = rope_tables(meta.token_positions(), self.cfg, x.dtype)
         deltanet_i = attention_i = 0
         for layer in self.layers:
             h = layer.input_layernorm(x)

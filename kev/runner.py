@@ -15,6 +15,7 @@ import torch
 from kev.bank.bank import Bank, BankHandle
 from kev.model import Qwen35Model
 from kev.ops import Ops, PassMeta
+from kev.ops.meta import host_positions
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,6 +27,7 @@ class RowBatch:
     slots: torch.Tensor  # [N] int64: each row's document slot
     doc_lens: torch.Tensor  # [N] int64: tokens stored in that slot (the row's positions start there)
     picks: torch.Tensor  # [P] int64 packed positions of <decide> / </opt> tokens
+    positions: torch.Tensor  # [T] int64 absolute position of every token
 
     @classmethod
     def build(cls, rows: Sequence[Sequence[int]], handles: Sequence[BankHandle], doc_lens: Sequence[int],
@@ -39,7 +41,7 @@ class RowBatch:
         as_long = dict(dtype=torch.int64, device=device)
         return cls(torch.tensor(flat, **as_long), torch.tensor(cu, **as_long),
                    torch.tensor([h.slot for h in handles], **as_long), torch.tensor(list(doc_lens), **as_long),
-                   torch.tensor(picks, **as_long))
+                   torch.tensor(picks, **as_long), torch.tensor(host_positions(lens, list(doc_lens)), **as_long))
 
 
 class Runner:
@@ -66,8 +68,10 @@ class Runner:
             read = slots if done > 0 else torch.full_like(slots, -1)
             cu = torch.tensor([0, *torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()],
                               dtype=torch.int64, device=self.device)
+            positions = host_positions([len(c) for c in chunks], [done] * len(chunks))
             meta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=slots,
-                            prefix_lens=torch.full_like(slots, done), block_table=self.bank.block_table[slots])
+                            prefix_lens=torch.full_like(slots, done), block_table=self.bank.block_table[slots],
+                            positions=torch.tensor(positions, dtype=torch.int64, device=self.device))
             tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
             self.model(tokens, meta, self.bank.pools, self.ops, picks=torch.zeros(0, dtype=torch.int64,
                                                                                    device=self.device))
@@ -76,7 +80,7 @@ class Runner:
     def row_meta(self, batch: RowBatch) -> PassMeta:
         return PassMeta(cu_seqlens=batch.cu_seqlens, read_slots=batch.slots,
                         write_slots=torch.full_like(batch.slots, -1), prefix_lens=batch.doc_lens,
-                        block_table=self.bank.block_table[batch.slots])
+                        block_table=self.bank.block_table[batch.slots], positions=batch.positions)
 
     @torch.no_grad()
     def row_pass(self, batch: RowBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ class PassMeta:
     write_slots: torch.Tensor  # [N] int64, -1 = do not store the final state
     prefix_lens: torch.Tensor  # [N] int64, tokens already stored for the sequence's document
     block_table: torch.Tensor  # [N, max_blocks] int32, K/V pages of the sequence's slot (-1 unused)
+    positions: torch.Tensor | None = None  # [T] int64; given by builders so a pass needs no host sync
 
     @property
     def num_seqs(self) -> int:
@@ -38,8 +39,10 @@ class PassMeta:
             prefix_lens=self.prefix_lens.tolist(),
         )
 
-    def positions(self) -> torch.Tensor:
+    def token_positions(self) -> torch.Tensor:
         """[T] absolute position of every packed token: its document prefix plus its index in the sequence."""
+        if self.positions is not None:
+            return self.positions
         lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
         seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=lens.device), lens)
         start = self.cu_seqlens[:-1][seq_of_token]
@@ -59,3 +62,8 @@ class HostMeta:
         for n in range(len(self.read_slots)):
             yield (n, self.cu_seqlens[n], self.cu_seqlens[n + 1], self.read_slots[n], self.write_slots[n],
                    self.prefix_lens[n])
+
+
+def host_positions(seq_lens: list[int], prefix_lens: list[int]) -> list[int]:
+    """The same positions as `PassMeta.token_positions`, computed on the host while building a batch."""
+    return [p + t for n, p in zip(seq_lens, prefix_lens) for t in range(n)]
