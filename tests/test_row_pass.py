@@ -85,3 +85,24 @@ def test_batch_invariance_bitwise(model):
     h = solo.bank.alloc(len(docs[1]))
     solo.state_pass([docs[1]], [h])
     assert torch.equal(solo.bank.pools.recurrent[0][h.slot], runner.bank.pools.recurrent[0][hs[1].slot])
+
+
+@pytest.mark.slow
+def test_65536_token_document_in_chunks():
+    """The longest allowed document goes through in slot-carried chunks; rows then read it."""
+    model = random_model(tiny_config(hv_per_h=2), seed=5)
+    doc = torch.randint(0, 300, (65536,), generator=torch.Generator().manual_seed(3)).tolist()
+    states = []
+    for chunk in (8192, 16384):
+        bank = Bank.allocate(model.cfg, num_slots=1, num_blocks=65536 // 64, block_size=64)
+        runner = Runner(model, bank, get_ops("torch"), state_chunk_tokens=chunk)
+        h = bank.alloc(len(doc))
+        runner.state_pass([doc], [h])
+        states.append((runner, h))
+    (a, ha), (b, hb) = states
+    for x, y in zip(a.bank.pools.tensors(), b.bank.pools.tensors()):
+        assert rel_err(x, y) <= 1e-4
+    row = [5, 6, 7, 8]
+    out_a = a.row_pass(RowBatch.build([row], [ha], [len(doc)], [[3]]))
+    out_b = b.row_pass(RowBatch.build([row], [hb], [len(doc)], [[3]]))
+    assert rel_err(out_a, out_b) <= 1e-4

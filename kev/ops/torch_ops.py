@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
 from kev.ops.meta import PassMeta
 
+QUERY_BLOCK = 256
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -70,10 +72,14 @@ class TorchOps:
                 keys, values = k[s:e], v[s:e]
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, P+L, D]
             values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-            scores = (q[s:e].transpose(0, 1) @ keys.transpose(1, 2)).float() * D**-0.5  # [Hq, L, P+L]
-            mask = torch.ones(L, prefix + L, dtype=torch.bool, device=q.device).tril(prefix)
-            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
-            out[s:e] = (probs @ values).transpose(0, 1)
+            # Query blocks keep the score matrix small for 64k-token documents.
+            for b in range(0, L, QUERY_BLOCK):
+                bl, visible = min(QUERY_BLOCK, L - b), prefix + min(b + QUERY_BLOCK, L)
+                qb = q[s + b : s + b + bl].transpose(0, 1)  # [Hq, bl, D]
+                scores = (qb @ keys[:, :visible].transpose(1, 2)).float() * D**-0.5  # [Hq, bl, visible]
+                mask = torch.ones(bl, visible, dtype=torch.bool, device=q.device).tril(prefix + b)
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+                out[s + b : s + b + bl] = (probs @ values[:, :visible]).transpose(0, 1)
             if write >= 0:
                 pos = torch.arange(prefix, prefix + L, device=q.device)
                 page = torch.tensor(pages, device=q.device)[pos // BS]
