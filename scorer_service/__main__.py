@@ -1,0 +1,99 @@
+"""`python -m scorer_service [--flags]`: load the model, attach to the bank, serve until SIGTERM.
+
+Start-up: settings (logged) -> model -> gRPC server listening (health "" SERVING, kev.v1.Scorer
+NOT_SERVING) -> metrics -> attach to the bank (retried until it answers) -> one warm-up request
+through the whole path -> kev.v1.Scorer SERVING. SIGTERM/SIGINT: kev.v1.Scorer NOT_SERVING,
+new RPCs refused, queued requests finished within the grace period, pins released, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+from grpc_health.v1 import health, health_pb2
+
+from kev.engine import LoadedModel
+from kev.ops import get_ops
+from scorer_service.bank_link import BankLink
+from scorer_service.batcher import RowBatcher
+from scorer_service.config import ConfigError, ScorerConfig
+from scorer_service.errors import ServiceError
+from scorer_service.metrics import ScorerMetrics
+from scorer_service.server import SERVICE, ScorerService, build_server
+
+log = logging.getLogger("scorer_service")
+
+GRACE_S = 50.0  # under Kubernetes' default 60 s (preStop sleeps 10 s first)
+
+
+def attach_until_ready(service: ScorerService, stop: threading.Event) -> bool:
+    """Attach and warm up, retried until the bank answers (or a stop signal)."""
+    waited = 0.0
+    while not stop.is_set():
+        try:
+            service.link.attachment()
+            service.warm_up()
+            return True
+        except ServiceError as e:
+            if waited % 10 < 0.5:
+                log.warning("bank not attachable yet (%s); retrying", e)
+        stop.wait(0.5)
+        waited += 0.5
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = ScorerConfig.from_env(argv=argv)
+    except ConfigError as e:
+        log.error("bad settings: %s", e)
+        return 2
+    config.log()
+    start = time.perf_counter()
+    loaded = LoadedModel.load(config.checkpoint, config.adapter, device=config.device, limits=config.limits)
+    log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
+             config.ops_backend)
+    metrics = ScorerMetrics()
+    link = BankLink(config, loaded, get_ops(config.ops_backend), metrics)
+    batcher = RowBatcher(link, loaded.head, metrics, max_rows_per_pass=config.max_rows_per_pass,
+                         max_tokens_per_pass=config.max_tokens_per_pass, max_wait_ms=config.max_wait_ms,
+                         max_queue=config.max_queue)
+    service = ScorerService(config, loaded, link, batcher, metrics)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = build_server(service, health_servicer)
+    if server.add_insecure_port(config.listen) == 0:
+        log.error("cannot listen on %s", config.listen)
+        return 2
+    server.start()
+    log.info("listening on %s", config.listen)
+    metrics.serve(config.metrics_port, link.refresh_occupancy)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if attach_until_ready(service, stop):
+        health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving (ready after %.1f s)", time.perf_counter() - start)
+        stop.wait()
+
+    log.info("draining")
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service.draining = True
+    server.stop(GRACE_S).wait()
+    batcher.stop()
+    metrics.close()
+    log.info("stopped; pins still held: %d", link.pins_held)
+    link.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The scorer's side of the bank: attachment, pinned document handles, leases.
+
+Handles. A document's handle comes from the Redis directory (`lookup_and_pin`, the fast path)
+or, on a miss, from the bank (`Bank.Acquire`, which runs the state pass and pins). Either way the
+scorer holds a directory lease that it renews while the request waits and releases at the end,
+in the directory itself (one Lua script; `Bank.Release` would do the same one hop further).
+
+Never a wrong state. The scorer reads the bank through memory it mapped at `Attach` time. A slot
+and generation only mean something in the memory of the bank instance that registered them, so
+every handle is confirmed against the attachment before it is used: the directory's epoch (a
+fresh token written by each `reset`, i.e. by each bank start and after each Redis data loss;
+tokens never repeat) is read *after* the handle was obtained. If it still equals the epoch read
+when the attachment was made, no reset happened in between and the entry belongs to the attached
+instance. Otherwise the scorer asks the bank (`Attach`) who it is now: the same instance (Redis
+restarted, the bank re-registered its entries) keeps the attachment with the new epoch; a new
+instance (the bank restarted) is re-attached, and the handle is dropped (`StaleAttachment`, the
+request retries once). Right before each row pass the batcher also checks every handle against
+the mapped slot generations (`AttachedBank.check`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from kev.bank.bank import BankHandle
+from kev.directory import Directory, DirectoryUnavailable, connect
+from kev.doc_key import document_key
+from kev.engine import LoadedModel
+from kev.errors import InvalidRequest
+from kev.ops import Ops
+from kev.runner import Runner
+from kev.v1 import bank_pb2, bank_pb2_grpc
+from scorer_service.config import ScorerConfig
+from scorer_service.errors import DeadlineExceeded, Exhausted, ServiceError, StaleAttachment, Unavailable
+from scorer_service.metrics import ScorerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Attachment:
+    """One mapping of one bank instance, and a runner reading it."""
+
+    instance: str
+    node: str
+    epoch: str | None  # directory epoch confirmed for this instance; updated after a Redis restart
+    bank: object  # kev.bank.shared.AttachedBank: .pools, .block_table, .check(handle)
+    runner: Runner
+    directory: Directory
+
+
+@dataclass(eq=False)
+class DocLease:
+    handle: BankHandle
+    lease_id: str
+    length: int
+    cached: bool  # the state was in the bank already (no state pass for this request)
+    attachment: Attachment
+    acquire_ms: float  # time spent getting the handle (includes the bank's state pass on a miss)
+    renewed_at: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+
+class BankLink:
+    def __init__(self, config: ScorerConfig, loaded: LoadedModel, ops: Ops, metrics: ScorerMetrics,
+                 attach_fn=None):
+        if attach_fn is None:
+            from kev.bank.shared import attach as attach_fn  # the bank engineer's mapping code
+        self.config, self.loaded, self.ops, self.metrics = config, loaded, ops, metrics
+        self._attach_fn = attach_fn
+        self.channel = grpc.insecure_channel(config.bank_addr)
+        self.stub = bank_pb2_grpc.BankStub(self.channel)
+        self.redis = connect(config.redis_url)
+        self._lock = threading.Lock()  # guards attach / re-attach
+        self._current: Attachment | None = None
+        self._pins = 0
+        self._pins_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------ attachment
+
+    @property
+    def current(self) -> Attachment | None:
+        return self._current
+
+    def attachment(self) -> Attachment:
+        att = self._current
+        return att if att is not None else self.reattach(None)
+
+    def reattach(self, seen: Attachment | None) -> Attachment:
+        """Asks the bank who it is; maps it anew if it is not the instance of `seen`. Thread-safe:
+        concurrent callers that saw the same attachment share one Attach."""
+        with self._lock:
+            if self._current is not seen and self._current is not None:
+                return self._current  # somebody else already re-checked
+            resp, directory, epoch = self._who_is_there()
+            if seen is not None and seen.instance == resp.instance and seen.node == resp.node:
+                if seen.epoch != epoch:
+                    log.info("directory epoch changed (%s -> %s), bank instance %s unchanged",
+                             seen.epoch, epoch, resp.instance)
+                seen.epoch = epoch
+                return seen
+            try:
+                bank = self._attach_fn(resp)
+            except (OSError, ValueError) as e:  # the segment is gone (bank crashed), or a layout mismatch
+                raise Unavailable(f"cannot map the memory of bank instance {resp.instance}: {e}") from None
+            att = Attachment(resp.instance, resp.node, epoch, bank, Runner(self.loaded.model, bank, self.ops),
+                             directory)
+            log.info("attached bank instance %s (node %s, %d slots, %d blocks)", resp.instance, resp.node,
+                     resp.slot_count, resp.block_count)
+            self._current = att
+            return att
+
+    def _who_is_there(self) -> tuple[bank_pb2.AttachResponse, Directory, str | None]:
+        """The bank's Attach answer with the directory epoch that held throughout a second Attach:
+        an epoch read between two answers naming the same instance is that instance's (or later)."""
+        resp = self._attach_rpc()
+        for _ in range(5):
+            directory = Directory(self.redis, self.loaded.model_id, resp.node)
+            before = self._epoch(directory)
+            again = self._attach_rpc()
+            after = self._epoch(directory)
+            if before == after and (again.instance, again.node) == (resp.instance, resp.node):
+                return again, directory, after
+            resp = again
+        raise Unavailable("the bank or the directory keeps changing; retry")
+
+    def _attach_rpc(self) -> bank_pb2.AttachResponse:
+        resp = self._call(self.stub.Attach, bank_pb2.AttachRequest(model=self.loaded.model_id), 10.0)
+        if resp.model != self.loaded.model_id:
+            raise Unavailable(f"bank serves model {resp.model!r}, this scorer {self.loaded.model_id!r}")
+        return resp
+
+    def _epoch(self, directory: Directory) -> str | None:
+        try:
+            return directory.epoch()
+        except DirectoryUnavailable as e:
+            raise Unavailable(f"directory (Redis) unreachable: {e}") from None
+
+    def _confirm(self, att: Attachment) -> bool:
+        """True if handles obtained under `att` since it was confirmed are still valid."""
+        epoch = self._epoch(att.directory)
+        if epoch is not None and epoch == att.epoch and self._current is att:
+            return True
+        return self.reattach(att) is att
+
+    # ------------------------------------------------------------------------------ handles
+
+    def acquire(self, document_ids, timeout_s: float | None) -> DocLease:
+        """A pinned, confirmed handle for the document (raises ServiceError / InvalidRequest)."""
+        start = time.perf_counter()
+        att = self.attachment()
+        key = document_key(self.loaded.model_id, document_ids)
+        try:
+            found = att.directory.lookup_and_pin(key, self.config.lease_seconds)
+        except DirectoryUnavailable as e:
+            raise Unavailable(f"directory (Redis) unreachable: {e}") from None
+        if found is not None:
+            lease = DocLease(BankHandle(found.slot, found.generation), found.lease_id, found.length, True, att, 0.0)
+        else:
+            if timeout_s is not None and timeout_s <= 0:
+                raise DeadlineExceeded("deadline exceeded before the document's state pass")
+            request = bank_pb2.AcquireRequest(model=self.loaded.model_id,
+                                              token_ids_le_i32=np.asarray(document_ids, dtype="<i4").tobytes(),
+                                              lease_ms=round(self.config.lease_seconds * 1000))
+            resp = self._call(self.stub.Acquire, request,
+                              self.config.bank_timeout_s if timeout_s is None else timeout_s)
+            lease = DocLease(BankHandle(resp.handle.slot, resp.handle.generation), resp.lease_id,
+                             resp.document_length, resp.cached, att, 0.0)
+        self._count_pin(+1)
+        try:
+            if not self._confirm(att):
+                raise StaleAttachment("the bank restarted while the document was looked up")
+            if lease.length != len(document_ids):
+                raise ServiceError(f"bank entry holds {lease.length} tokens, the document has {len(document_ids)}")
+        except BaseException:
+            self.release(lease)
+            raise
+        lease.acquire_ms = (time.perf_counter() - start) * 1000
+        self.metrics.lookup(lease.cached)
+        return lease
+
+    def renew_if_due(self, lease: DocLease) -> None:
+        """Extends the lease when a third of it has passed (a request waiting long keeps its pin)."""
+        if lease.released or time.monotonic() - lease.renewed_at < self.config.lease_seconds / 3:
+            return
+        try:
+            if lease.attachment.directory.renew(lease.lease_id, self.config.lease_seconds) is None:
+                log.warning("lease %s expired before renewal", lease.lease_id)
+            lease.renewed_at = time.monotonic()
+        except DirectoryUnavailable as e:
+            log.warning("lease renewal failed (Redis unreachable): %s", e)
+
+    def release(self, lease: DocLease) -> None:
+        """Drops the pin (idempotent). If Redis is unreachable the lease simply expires."""
+        if lease.released:
+            return
+        lease.released = True
+        self._count_pin(-1)
+        try:
+            lease.attachment.directory.release(lease.lease_id)
+        except DirectoryUnavailable as e:
+            log.warning("lease %s not released (Redis unreachable; it expires): %s", lease.lease_id, e)
+
+    def _count_pin(self, delta: int) -> None:
+        with self._pins_lock:
+            self._pins += delta
+            self.metrics.pins_held.set(self._pins)
+
+    @property
+    def pins_held(self) -> int:
+        return self._pins
+
+    # ------------------------------------------------------------------------------ bank RPCs
+
+    def stats(self, timeout_s: float = 2.0) -> bank_pb2.StatsResponse:
+        return self._call(self.stub.Stats, bank_pb2.StatsRequest(), timeout_s)
+
+    def refresh_occupancy(self) -> None:
+        s = self.stats()
+        self.metrics.set_occupancy(s.slots_used, s.slots_total, s.blocks_used, s.blocks_total)
+
+    def _call(self, method, request, timeout_s: float):
+        """The RPC's reply; its failure as the scorer's error. Only Acquire's INVALID_ARGUMENT is
+        the client's (a document the bank will not take, e.g. over its --max-document-tokens)."""
+        try:
+            return method(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            if code == grpc.StatusCode.INVALID_ARGUMENT and isinstance(request, bank_pb2.AcquireRequest):
+                raise InvalidRequest("document", f"rejected by the bank: {details}") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"bank call exceeded the deadline: {details}") from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Exhausted(f"bank full: {details}") from None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                raise Unavailable(f"bank unreachable at {self.config.bank_addr}: {details}") from None
+            raise ServiceError(f"bank error {code.name}: {details}") from None
+
+    def close(self) -> None:
+        self.channel.close()
+        self.redis.close()

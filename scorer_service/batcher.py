@@ -1,0 +1,175 @@
+"""The cross-request row batcher: question rows of many requests into shared row passes.
+
+Decisions only, no tensors of its own: `submit` queues a request's rows (bounded: `max_queue`
+rows; a request that does not fit gets `Exhausted`, except that an empty queue takes any request,
+so there is no limit on questions per request); ONE worker thread takes rows in arrival order
+until a pass holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row is
+always taken) or the oldest row has waited `max_wait_ms`, then hands the pass to the engine's
+shared pieces: `row_batch_for` -> `Runner.row_pass` on the attached bank -> `answer_rows`.
+
+A request's rows may be split over several passes (each pass sees a partial `PreparedRequest`
+holding its rows); rows never depend on what else shares their pass (batch-invariant kernels), so
+the answers are the in-process engine's. Rows of a cancelled or failed request are dropped when
+they come up. Before a pass every handle is checked against the mapped bank (`check`), and rows
+whose handle belongs to a replaced attachment are failed with `StaleAttachment` (retried by the
+server): a pass never reads a state that is not its document's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kev.engine import answer_rows, row_batch_for
+from kev.head import DecisionHead
+from kev.prompts import PreparedRequest
+from scorer_service.bank_link import BankLink, DocLease
+from scorer_service.errors import Exhausted, ServiceError, StaleAttachment
+from scorer_service.metrics import ScorerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's rows in flight; `done` is set once every row is answered or the job failed."""
+
+    prepared: PreparedRequest
+    lease: DocLease
+    answers: dict = field(default_factory=dict)
+    model_ms: float = 0.0  # wall time of the row passes that held this job's rows
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.done.set()
+
+
+@dataclass(frozen=True)
+class _Row:
+    job: Job
+    index: int  # into job.prepared.rows
+    tokens: int
+
+
+class RowBatcher:
+    def __init__(self, link: BankLink, head: DecisionHead, metrics: ScorerMetrics, *, max_rows_per_pass: int,
+                 max_tokens_per_pass: int, max_wait_ms: float, max_queue: int):
+        self.link, self.head, self.metrics = link, head, metrics
+        self.max_rows, self.max_tokens = max_rows_per_pass, max_tokens_per_pass
+        self.max_wait_s, self.max_queue = max_wait_ms / 1000, max_queue
+        self._queue: deque[tuple[float, _Row]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._worker = threading.Thread(target=self._run, name="kev-row-worker", daemon=True)
+        self._worker.start()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, prepared: PreparedRequest, lease: DocLease) -> Job:
+        job = Job(prepared, lease)
+        rows = [_Row(job, i, len(r.prompt.ids)) for i, r in enumerate(prepared.rows)]
+        now = time.monotonic()
+        with self._cond:
+            if self._stopping:
+                raise ServiceError("the scorer is shutting down")
+            if self._queue and len(self._queue) + len(rows) > self.max_queue:
+                raise Exhausted(f"row queue full ({len(self._queue)} of {self.max_queue} rows waiting, "
+                                f"this request adds {len(rows)}); retry later")
+            self._queue.extend((now, r) for r in rows)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._cond.notify()
+        return job
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Finishes what is queued, then stops the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._worker.join(timeout_s)
+
+    # ------------------------------------------------------------------------------ worker
+
+    def _take(self) -> list[_Row] | None:
+        """The next pass's rows (None: stopped and drained)."""
+        with self._cond:
+            while True:
+                while self._queue and self._queue[0][1].job.done.is_set():
+                    self._queue.popleft()  # cancelled or failed: drop its rows
+                if self._queue:
+                    oldest = self._queue[0][0]
+                    rows = tokens = 0
+                    for _, r in self._queue:
+                        if rows and (rows + 1 > self.max_rows or tokens + r.tokens > self.max_tokens):
+                            break
+                        rows, tokens = rows + 1, tokens + r.tokens
+                    full = rows < len(self._queue) or rows >= self.max_rows or tokens >= self.max_tokens
+                    wait = oldest + self.max_wait_s - time.monotonic()
+                    if full or wait <= 0 or self._stopping:
+                        batch = [self._queue.popleft()[1] for _ in range(rows)]
+                        self.metrics.queue_depth.set(len(self._queue))
+                        return batch
+                    self._cond.wait(wait)
+                elif self._stopping:
+                    return None
+                else:
+                    self._cond.wait()
+
+    def _run(self) -> None:
+        while (rows := self._take()) is not None:
+            live = [r for r in rows if not r.job.done.is_set()]
+            if live:
+                try:
+                    self._pass(live)
+                except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
+                    log.exception("row pass failed")
+                    for r in live:
+                        self._fail(r.job, e if isinstance(e, ServiceError) else ServiceError(f"row pass failed: {e}"))
+
+    def _pass(self, rows: list[_Row]) -> None:
+        current = self.link.current
+        jobs: dict[Job, list[int]] = {}
+        for r in rows:
+            jobs.setdefault(r.job, []).append(r.index)
+        for job in list(jobs):
+            err = None
+            if job.lease.attachment is not current:
+                err = StaleAttachment("the bank was re-attached since this document's handle was taken")
+            else:
+                try:
+                    current.bank.check(job.lease.handle)
+                except Exception as e:  # noqa: BLE001 - StaleHandle or the mapping's own error
+                    err = StaleAttachment(f"bank entry no longer live: {e}")
+            if err is not None:
+                self._fail(job, err)
+                del jobs[job]
+        if not jobs:
+            return
+        start = time.perf_counter()
+        partial = [dataclasses.replace(job.prepared, rows=tuple(job.prepared.rows[i] for i in idx))
+                   for job, idx in jobs.items()]
+        handles = [job.lease.handle for job in jobs]
+        batch = row_batch_for(partial, handles, current.runner.device)
+        hidden = current.runner.row_pass(batch)
+        answers = answer_rows(self.head, partial, hidden)
+        seconds = time.perf_counter() - start
+        self.metrics.row_pass(sum(len(i) for i in jobs.values()), int(batch.tokens.numel()), seconds)
+        for job, got in zip(jobs, answers, strict=True):
+            job.answers.update(got)
+            job.model_ms += seconds * 1000
+            if len(job.answers) == len(job.prepared.rows):
+                job.done.set()
+
+    @staticmethod
+    def _fail(job: Job, err: BaseException) -> None:
+        if not job.done.is_set():
+            job.error = err
+            job.done.set()

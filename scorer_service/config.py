@@ -1,0 +1,134 @@
+"""The scorer's settings: one frozen dataclass, built once at start-up from flags and environment.
+
+Every `KEV_*` variable the scorer reads is read here and nowhere else (docs/settings.md lists
+them); a flag named after the field (`--max-rows-per-pass` for `KEV_MAX_ROWS_PER_PASS`) overrides
+the environment. Knobs deployments rarely change are flags only. The result is logged at start-up
+and passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from urllib.parse import urlsplit, urlunsplit
+
+from kev.prompts import Limits
+
+log = logging.getLogger(__name__)
+
+# gRPC's own limit is this many times the request limit: requests between the two are received
+# and answered INVALID_ARGUMENT naming the biggest field; beyond it the transport refuses them
+# (RESOURCE_EXHAUSTED) before the server sees a byte, which protects the process's memory.
+TRANSPORT_LIMIT_FACTOR = 4
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid (names the variable)."""
+
+
+def _env(name: str, default=MISSING):
+    return field(default=default, metadata={"env": name})
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    # Environment (docs/settings.md); a flag of the same name overrides.
+    checkpoint: str = _env("KEV_CHECKPOINT")
+    redis_url: str = _env("KEV_REDIS_URL")
+    device: str = _env("KEV_DEVICE")  # cpu | cuda
+    adapter: str | None = _env("KEV_ADAPTER", None)  # must match the bank's
+    listen: str = _env("KEV_SCORER_LISTEN", "0.0.0.0:50051")
+    bank_addr: str = _env("KEV_BANK_ADDR", "localhost:50052")
+    max_rows_per_pass: int = _env("KEV_MAX_ROWS_PER_PASS", 96)
+    max_tokens_per_pass: int = _env("KEV_MAX_TOKENS_PER_PASS", 8192)
+    max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
+    max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting for a row pass
+    metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
+    lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
+    # Flags only: knobs deployments rarely change.
+    max_request_bytes: int = 16 << 20  # serialized ScoreQuestionsRequest; larger is INVALID_ARGUMENT
+    grpc_threads: int = 256  # concurrent RPCs being handled (each waits on its rows)
+    bank_timeout_s: float = 30.0  # Acquire (a state pass) when the client set no deadline
+    max_document_tokens: int = Limits.max_document_tokens  # including <state>; at most the bank's
+    max_row_tokens: int = Limits.max_row_tokens  # one question row, every delimiter included
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"KEV_DEVICE must be cpu or cuda[:N], got {self.device!r}")
+        for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_request_bytes", "grpc_threads",
+                     "max_document_tokens", "max_row_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"KEV_MAX_WAIT_MS must be >= 0, got {self.max_wait_ms}")
+        if self.lease_seconds <= 0 or self.bank_timeout_s <= 0:
+            raise ConfigError("KEV_LEASE_SECONDS and --bank-timeout-s must be > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"KEV_METRICS_PORT must be 0-65535, got {self.metrics_port}")
+
+    @property
+    def ops_backend(self) -> str:
+        """The explicit kernel choice: torch reference ops on CPU, the bank-indexed Triton ops on GPU."""
+        return "torch" if self.device == "cpu" else "triton"
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_document_tokens=self.max_document_tokens, max_row_tokens=self.max_row_tokens)
+
+    @property
+    def transport_max_bytes(self) -> int:
+        return min(self.max_request_bytes * TRANSPORT_LIMIT_FACTOR, 2**31 - 1)
+
+    def redacted(self) -> dict:
+        """The settings as logged: the Redis password is masked."""
+        out = asdict(self)
+        parts = urlsplit(self.redis_url)
+        if parts.password:
+            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+            out["redis_url"] = urlunsplit(parts._replace(netloc=netloc))
+        out["ops_backend"] = self.ops_backend
+        return out
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> "ScorerConfig":
+        environ = os.environ if environ is None else environ
+        parser = argparse.ArgumentParser(prog="python -m scorer_service", description="Kev scorer service")
+        for f in fields(cls):
+            env = env_name(f)
+            default = "-" if f.default is MISSING else f.default
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                                default=environ.get(env) if env else None,
+                                help=f"{'env ' + env + '; ' if env else ''}default {default}")
+        args = vars(parser.parse_args(argv))
+        values = {}
+        for f in fields(cls):
+            raw = args[f.name]
+            if raw is None or raw == "":
+                if f.default is MISSING:
+                    raise ConfigError(f"{env_name(f) or '--' + f.name.replace('_', '-')} is required")
+                continue
+            values[f.name] = _parse(env_name(f) or "--" + f.name.replace("_", "-"), f.type, raw)
+        return cls(**values)
+
+    def log(self) -> None:
+        log.info("scorer config: %s", self.redacted())
+
+
+def env_name(f) -> str | None:
+    return f.metadata.get("env")
+
+
+def _parse(env: str, kind: object, raw: str) -> object:
+    kind = str(kind)  # annotations are strings (from __future__ import annotations)
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{env}: {raw!r} is not a {kind}") from None
+    return raw

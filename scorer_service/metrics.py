@@ -1,0 +1,93 @@
+"""Prometheus metrics of one scorer process (served on KEV_METRICS_PORT; 0 = no endpoint).
+
+    kev_scorer_requests_seconds{code}        histogram  ScoreQuestions latency by gRPC status code
+    kev_scorer_queue_depth                   gauge      rows waiting for a row pass (the autoscaler's signal)
+    kev_scorer_rows_per_pass                 histogram  rows in each row pass
+    kev_scorer_tokens_per_pass               histogram  row tokens in each row pass
+    kev_scorer_row_pass_seconds              histogram  wall time of each row pass (with the head)
+    kev_scorer_bank_lookups_total{result}    counter    document handles: hit (state in the bank) / miss
+    kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
+    kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
+    kev_scorer_pins_held                     gauge      directory leases this process holds now
+
+A private registry per instance keeps two scorers in one test process apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class ScorerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.request_seconds = Histogram("kev_scorer_requests_seconds", "ScoreQuestions latency", ["code"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("kev_scorer_queue_depth", "Rows waiting for a row pass", registry=r)
+        self.rows_per_pass = Histogram("kev_scorer_rows_per_pass", "Rows per row pass", buckets=_ROW_BUCKETS,
+                                       registry=r)
+        self.tokens_per_pass = Histogram("kev_scorer_tokens_per_pass", "Row tokens per row pass",
+                                         buckets=_TOKEN_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("kev_scorer_row_pass_seconds", "Row pass wall time",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.bank_lookups = Counter("kev_scorer_bank_lookups", "Document handles by result", ["result"],
+                                    registry=r)
+        self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",
+                                    registry=r)
+        self.bank_occupancy = Gauge("kev_scorer_bank_occupancy", "Used share of the bank", ["resource"],
+                                    registry=r)
+        self.pins_held = Gauge("kev_scorer_pins_held", "Directory leases held by this scorer", registry=r)
+        self._hits = self._misses = 0
+        self._lock = threading.Lock()
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def lookup(self, hit: bool) -> None:
+        self.bank_lookups.labels(result="hit" if hit else "miss").inc()
+        with self._lock:
+            if hit:
+                self._hits += 1
+            else:
+                self._misses += 1
+            self.bank_hit_ratio.set(self._hits / (self._hits + self._misses))
+
+    def row_pass(self, rows: int, tokens: int, seconds: float) -> None:
+        self.rows_per_pass.observe(rows)
+        self.tokens_per_pass.observe(tokens)
+        self.pass_seconds.observe(seconds)
+
+    def set_occupancy(self, slots_used: int, slots_total: int, blocks_used: int, blocks_total: int) -> None:
+        self.bank_occupancy.labels(resource="slots").set(slots_used / max(slots_total, 1))
+        self.bank_occupancy.labels(resource="blocks").set(blocks_used / max(blocks_total, 1))
+
+    def serve(self, port: int, poll_stats: Callable[[], None] | None = None, every_s: float = 5.0) -> None:
+        """Starts the HTTP endpoint (port 0: none) and a thread refreshing the bank occupancy."""
+        if port == 0:
+            return
+        start_http_server(port, registry=self.registry)
+        log.info("metrics on :%d/metrics", port)
+        if poll_stats is not None:
+            self._poller = threading.Thread(target=self._poll, args=(poll_stats, every_s), name="kev-stats",
+                                            daemon=True)
+            self._poller.start()
+
+    def _poll(self, poll_stats: Callable[[], None], every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                poll_stats()
+            except Exception as e:  # noqa: BLE001 - a metrics refresh must never stop serving
+                log.debug("bank stats refresh failed: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()

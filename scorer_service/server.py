@@ -1,0 +1,170 @@
+"""The public `kev.v1.Scorer` gRPC service: request handling and the status mapping.
+
+One request: parse (raw bytes, see convert.py) -> validate + render (`validate_and_build`) ->
+a pinned document handle (bank_link.py) -> rows into the batcher -> wait (renewing the lease,
+watching the deadline and the client) -> answers. The pin is released on every way out:
+success, error, deadline, client cancellation.
+
+Status mapping:
+    INVALID_ARGUMENT    kev.errors.InvalidRequest: the message starts with the field path, which is
+                        also sent as trailing metadata `kev-field-bin` (UTF-8). Includes requests over
+                        KEV_MAX_REQUEST_BYTES (the field holding the most bytes is named), invalid
+                        UTF-8 and unknown models. Above TRANSPORT_LIMIT_FACTOR x that limit gRPC itself
+                        refuses the message with RESOURCE_EXHAUSTED before the server sees it.
+    RESOURCE_EXHAUSTED  the row queue is full (KEV_MAX_QUEUE), or the bank is full of pinned entries
+    UNAVAILABLE         the bank or Redis cannot be reached, the scorer is draining, or the document's
+                        entry went stale twice in a row (bank restarts); safe to retry
+    DEADLINE_EXCEEDED   the client's deadline passed first (rows still queued are dropped)
+    CANCELLED           the client went away (nothing is sent; the pin is released)
+    INTERNAL            anything else (logged with its traceback)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kev import api
+from kev.engine import LoadedModel
+from kev.errors import InvalidRequest
+from kev.prompts import validate_and_build
+from kev.v1 import scorer_pb2 as pb
+from scorer_service import convert
+from scorer_service.bank_link import BankLink
+from scorer_service.batcher import Job, RowBatcher
+from scorer_service.config import ScorerConfig
+from scorer_service.errors import Cancelled, DeadlineExceeded, ServiceError, StaleAttachment, Unavailable
+from scorer_service.metrics import ScorerMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE = "kev.v1.Scorer"
+FIELD_METADATA = "kev-field-bin"
+
+
+class ScorerService:
+    def __init__(self, config: ScorerConfig, loaded: LoadedModel, link: BankLink, batcher: RowBatcher,
+                 metrics: ScorerMetrics):
+        self.config, self.loaded, self.link, self.batcher, self.metrics = config, loaded, link, batcher, metrics
+        self.draining = False
+
+    # ------------------------------------------------------------------------------ RPCs
+
+    def score_questions(self, raw: bytes, context: grpc.ServicerContext) -> pb.ScoreQuestionsResponse:
+        start = time.perf_counter()
+        code, message, field = grpc.StatusCode.OK, "", None
+        try:
+            return convert.response_to_proto(self._score(raw, context))
+        except InvalidRequest as e:
+            code, message, field = grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field
+        except ServiceError as e:
+            code, message = e.code, str(e)
+        except Exception as e:  # noqa: BLE001 - mapped to INTERNAL, never a hung client
+            log.exception("ScoreQuestions failed")
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+        finally:
+            if not context.is_active() and code is grpc.StatusCode.OK:
+                code = grpc.StatusCode.CANCELLED
+            self.metrics.request_seconds.labels(code=code.name).observe(time.perf_counter() - start)
+        if field is not None:
+            context.set_trailing_metadata(((FIELD_METADATA, field.encode()),))
+        context.abort(code, message)
+
+    def list_models(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        limits = self.loaded.builder.limits
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            id=self.loaded.model_id, max_document_tokens=limits.max_document_tokens,
+            max_row_tokens=limits.max_row_tokens, is_default=True)])
+
+    def warm_up(self, timeout_s: float = 120.0) -> None:
+        """One request through the whole path (bank, directory, row pass, head) before SERVING."""
+        request = api.ScoreRequest("Kev warm-up.", {"warm-up": api.Question.noul("Is this a warm-up?")})
+        prepared = validate_and_build(request, self.loaded.builder)
+        lease = self.link.acquire(prepared.document_ids, timeout_s)
+        try:
+            job = self.batcher.submit(prepared, lease)
+            if not job.done.wait(timeout_s):
+                job.cancel()
+                raise DeadlineExceeded("warm-up request timed out")
+        finally:
+            self.link.release(lease)
+        if job.error is not None:
+            raise job.error
+
+    # ------------------------------------------------------------------------------ one request
+
+    def _score(self, raw: bytes, context: grpc.ServicerContext) -> api.ScoreResponse:
+        if self.draining:
+            raise Unavailable("the scorer is draining; retry on another")
+        request = convert.request_from_proto(convert.parse_request(raw, self.config.max_request_bytes))
+        if request.model not in (None, self.loaded.model_id):
+            raise InvalidRequest("model", f"unknown model {request.model!r} (this scorer serves "
+                                          f"{self.loaded.model_id!r}; see ListModels)")
+        prepared = validate_and_build(request, self.loaded.builder)
+        for attempt in (1, 2):
+            try:
+                lease = self.link.acquire(prepared.document_ids, context.time_remaining())
+                try:
+                    job = self.batcher.submit(prepared, lease)
+                    self._wait(job, context)
+                finally:
+                    self.link.release(lease)
+                if job.error is not None:
+                    raise job.error
+                break
+            except StaleAttachment as e:
+                if attempt == 2:
+                    raise
+                log.info("retrying a request whose bank entry went stale: %s", e)
+        doc = len(prepared.document_ids)
+        usage = api.Usage(input_tokens=prepared.input_tokens, cached_state_tokens=doc if lease.cached else 0,
+                          document_tokens=doc, truncated=prepared.truncated)
+        model_ms = job.model_ms + (0.0 if lease.cached else lease.acquire_ms)
+        return api.ScoreResponse(answers={r.name: job.answers[r.name] for r in prepared.rows}, usage=usage,
+                                 model_ms=model_ms, model=self.loaded.model_id)
+
+    def _wait(self, job: Job, context: grpc.ServicerContext) -> None:
+        """Until the job is done, the deadline passes or the client leaves; renews the lease."""
+        if not context.add_callback(job.cancel):  # cancellation (and RPC end) wakes the wait at once
+            job.cancel()  # the RPC had already ended
+        tick = self.config.lease_seconds / 3
+        while True:
+            remaining = context.time_remaining()
+            timeout = tick if remaining is None else max(0.0, min(tick, remaining))
+            if job.done.wait(timeout):
+                break
+            if remaining is not None and remaining <= timeout:
+                job.cancel()
+                raise DeadlineExceeded("deadline exceeded while the request's rows were queued or running")
+            self.link.renew_if_due(job.lease)
+        if job.error is None and job.cancelled:
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                raise DeadlineExceeded("deadline exceeded")
+            raise Cancelled("the client cancelled the request")
+
+
+def build_server(service: ScorerService, health_servicer: health.HealthServicer) -> grpc.Server:
+    config = service.config
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="kev-rpc"),
+        options=[("grpc.max_receive_message_length", config.transport_max_bytes),
+                 ("grpc.max_send_message_length", config.transport_max_bytes)])
+    handlers = {
+        # Raw bytes in: the service parses them itself so bad input is INVALID_ARGUMENT with a field.
+        "ScoreQuestions": grpc.unary_unary_rpc_method_handler(
+            service.score_questions, request_deserializer=None,
+            response_serializer=pb.ScoreQuestionsResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.list_models, request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    return server

@@ -1,0 +1,307 @@
+"""The scorer service end to end: real redis-server, bank and scorer processes (kev.stack.Stack).
+
+Every answer must equal, bit for bit, what the in-process `kev.engine.Engine` answers for the same
+request: on CPU both run the same model code with batch-invariant kernels, so neither the bank's
+state-pass batching nor the scorer's row batching (rows of many requests, a request split over
+passes) may change a single bit.
+
+Helpers here (`make_requests`, `engine_answers`, `assert_same`, `directory_snapshot`) are also used
+by test_stack.py and test_bad_input.py.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from kev import api
+from kev.directory import Directory, connect
+from kev.bank.bank import Bank
+from kev.engine import Engine, LoadedModel
+from kev.prompts import Limits
+from kev.stack import Stack
+from kev.v1 import bank_pb2, bank_pb2_grpc, scorer_pb2, scorer_pb2_grpc
+from scorer_service.convert import request_to_proto, response_from_proto
+from tiny_stack import TINY_MODEL_ID, WORDS, make_tiny_checkpoint
+
+MAX_DOC_TOKENS = 512
+NODE = "stack"  # kev.stack's bank node name
+PLAIN = [w for w in WORDS if w.isalpha()]
+
+
+def stack_for(checkpoint, **kw) -> Stack:
+    """A test-sized stack: 512-token documents, 64-token average (4 MiB bank = ~120 slots)."""
+    kw.setdefault("bank_memory_bytes", 4 << 20)
+    kw.setdefault("max_document_tokens", MAX_DOC_TOKENS)
+    kw.setdefault("bank_flags", ["--avg-doc-tokens", "64", "--epoch-check-s", "0.2"])
+    return Stack(checkpoint, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# requests and the reference
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(PLAIN) for _ in range(n))
+
+
+def make_question(rng: random.Random) -> api.Question:
+    kind = rng.choice(list(api.QuestionType))
+    instructions = _text(rng, rng.randint(1, 12))
+    if kind is api.QuestionType.NOUL:
+        return api.Question.noul(instructions, rng.choice([None, _text(rng, 3)]), rng.choice([None, _text(rng, 2)]))
+    if kind is api.QuestionType.CHOICE:
+        names = rng.sample(PLAIN, rng.randint(1, 6))
+        return api.Question.choice(instructions, {n: rng.choice([None, _text(rng, 3)]) for n in names})
+    return api.Question.score(instructions, [_text(rng, rng.randint(0, 3)) for _ in range(rng.randint(1, 5))])
+
+
+def make_documents(count: int, seed: int = 0) -> list[api.JsonDocument]:
+    rng = random.Random(seed)
+    docs: list[api.JsonDocument] = []
+    for i in range(count):
+        if i % 5 == 4:  # some JSON documents (rendered to labelled text by the server)
+            docs.append({"customer": _text(rng, 2), "items": [_text(rng, rng.randint(1, 8)) for _ in range(3)],
+                         "urgent": rng.random() < 0.5, "n": i})
+        else:
+            docs.append(_text(rng, rng.randint(1, 120)))
+    return docs
+
+
+def make_requests(count: int, documents: list[api.JsonDocument], seed: int = 1, max_questions: int = 6,
+                  cycle: bool = False) -> list[api.ScoreRequest]:
+    """Requests on random documents (`cycle`: request i on document i % len(documents))."""
+    rng = random.Random(seed)
+    return [api.ScoreRequest(documents[i % len(documents)] if cycle else rng.choice(documents),
+                             {f"q{j}": make_question(rng) for j in range(rng.randint(1, max_questions))})
+            for i in range(count)]
+
+
+def make_engine(checkpoint) -> Engine:
+    """The in-process reference with the stack's limits (truncation must cut at the same token)."""
+    loaded = LoadedModel.load(checkpoint, limits=Limits(max_document_tokens=MAX_DOC_TOKENS))
+    return Engine(loaded, Bank.from_budget(loaded.model.cfg, 64 << 20, max_doc_tokens=MAX_DOC_TOKENS))
+
+
+def engine_answers(checkpoint, requests: list[api.ScoreRequest]) -> list[api.ScoreResponse]:
+    # One torch thread: on a busy 2-core machine OpenMP's spinning threads make the tiny model's
+    # passes ~50x slower (restored after, so no test sees a changed global).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = make_engine(checkpoint)
+        out = []
+        for i in range(0, len(requests), 32):
+            for r in engine.score_many(requests[i : i + 32]):
+                assert not isinstance(r, Exception), r
+                out.append(r)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def score(stub: scorer_pb2_grpc.ScorerStub, request: api.ScoreRequest, timeout: float = 60.0) -> api.ScoreResponse:
+    return response_from_proto(stub.ScoreQuestions(request_to_proto(request), timeout=timeout), request)
+
+
+def assert_same(got: api.ScoreResponse, want: api.ScoreResponse) -> None:
+    assert got.answers == want.answers  # exact floats
+    assert list(got.answers) == list(want.answers)
+    for f in ("input_tokens", "document_tokens", "truncated"):
+        assert getattr(got.usage, f) == getattr(want.usage, f), f
+    assert got.usage.cached_state_tokens in (0, got.usage.document_tokens)
+    assert got.model == TINY_MODEL_ID and got.model_ms > 0
+
+
+def directory(stack: Stack) -> Directory:
+    return Directory(connect(stack.redis_url), TINY_MODEL_ID, NODE)
+
+
+def bank_stats(stack: Stack) -> bank_pb2.StatsResponse:
+    with grpc.insecure_channel(stack.bank_addr) as channel:
+        return bank_pb2_grpc.BankStub(channel).Stats(bank_pb2.StatsRequest(), timeout=10)
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "kev-tiny")
+
+
+def start_while(stack: Stack, compute):
+    """Starts `stack` in the background while `compute()` (the engine reference) runs here;
+    returns its result with the stack up (stopped again if either fails)."""
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(stack.start)
+        try:
+            result = compute()
+        except BaseException:
+            started.exception()
+            stack.stop()
+            raise
+    try:
+        started.result()
+    except BaseException:
+        stack.stop()
+        raise
+    return result
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """(stack, requests, the engine's responses). Small passes, so that requests are split over
+    several passes and passes mix requests."""
+    stack = stack_for(checkpoint, scorer_env={"KEV_MAX_ROWS_PER_PASS": "7", "KEV_MAX_TOKENS_PER_PASS": "256",
+                                              "KEV_MAX_WAIT_MS": "5"})
+    docs = make_documents(40)
+    requests = make_requests(80, docs)
+    # A request with more rows than a pass holds, and a truncated document.
+    rng = random.Random(9)
+    requests.append(api.ScoreRequest(docs[0], {f"many{j}": make_question(rng) for j in range(40)}))
+    requests.append(api.ScoreRequest(_text(rng, 700), {"t": make_question(rng)}, truncate_document=True))
+    want = start_while(stack, lambda: engine_answers(checkpoint, requests))
+    with stack:
+        yield stack, requests, want
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+
+def test_answers_equal_in_process_engine(served):
+    stack, requests, want = served
+    with grpc.insecure_channel(stack.scorer_addr) as channel:
+        stub = scorer_pb2_grpc.ScorerStub(channel)
+        # Sequential first (each request alone), then concurrent (rows of many requests per pass).
+        for r, w in zip(requests[:20], want[:20]):
+            assert_same(score(stub, r), w)
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(lambda r: score(stub, r), requests))
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    assert got[-1].usage.truncated and got[-1].usage.document_tokens == MAX_DOC_TOKENS
+    # A repeated document's state comes from the bank.
+    with grpc.insecure_channel(stack.scorer_addr) as channel:
+        again = score(scorer_pb2_grpc.ScorerStub(channel), requests[0])
+    assert again.usage.cached_state_tokens == again.usage.document_tokens
+    assert directory(stack).pins_held() == 0
+
+
+def test_second_scorer_gives_identical_answers(served):
+    stack, requests, want = served
+    second = stack.add_scorer()
+    try:
+        for addr in (stack.scorer_addr, second):
+            with grpc.insecure_channel(addr) as channel:
+                stub = scorer_pb2_grpc.ScorerStub(channel)
+                with ThreadPoolExecutor(8) as pool:
+                    got = list(pool.map(lambda r: score(stub, r), requests[:60]))
+            for g, w in zip(got, want[:60]):
+                assert_same(g, w)
+    finally:
+        stack.scorers.pop().stop()
+        stack.scorer_addrs.pop()
+    assert directory(stack).pins_held() == 0
+
+
+def test_list_models_health_and_reflection(served):
+    stack = served[0]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(stack.scorer_addr) as channel:
+        models = scorer_pb2_grpc.ScorerStub(channel).ListModels(scorer_pb2.ListModelsRequest(), timeout=10).models
+        assert [(m.id, m.max_document_tokens, m.is_default) for m in models] == [(TINY_MODEL_ID, MAX_DOC_TOKENS, True)]
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kev.v1.Scorer"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reply = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"kev.v1.Scorer", "grpc.health.v1.Health"} <= names
+
+
+def test_deadline_and_cancellation_release_pins(served):
+    stack, requests, _ = served
+    with grpc.insecure_channel(stack.scorer_addr) as channel:
+        stub = scorer_pb2_grpc.ScorerStub(channel)
+        big = requests[-2]  # 40 rows: several passes
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ScoreQuestions(request_to_proto(big), timeout=0.005)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        futures = [stub.ScoreQuestions.future(request_to_proto(r)) for r in requests[:30]]
+        time.sleep(0.05)
+        for f in futures:
+            f.cancel()
+    wait_for(lambda: directory(stack).pins_held() == 0, 10, "pins released after cancellations")
+
+
+def test_64_clients_for_30_seconds(checkpoint):
+    """Zero errors, every answer the engine's, no pins left, bank occupancy within its budget.
+    ~37 s on the 2-core CPU machine (30 s of load + start-up); not marked `slow` (under 40 s)."""
+    # More distinct documents than the bank has slots (~126): entries are evicted under load.
+    requests = make_requests(200, make_documents(200, seed=5), seed=6, cycle=True)
+    errors, done, stop = [], [0], threading.Event()
+    lock = threading.Lock()
+    stack = stack_for(checkpoint, scorer_env={"KEV_MAX_WAIT_MS": "3"})
+    want = start_while(stack, lambda: engine_answers(checkpoint, requests))
+    with stack:
+        total = bank_stats(stack)
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            with grpc.insecure_channel(stack.scorer_addr) as channel:
+                stub = scorer_pb2_grpc.ScorerStub(channel)
+                while not stop.is_set():
+                    i = rng.randrange(len(requests))
+                    try:
+                        assert_same(score(stub, requests[i]), want[i])
+                    except BaseException as e:  # noqa: BLE001 - collected and reported below
+                        with lock:
+                            errors.append(f"request {i}: {e!r}")
+                    with lock:
+                        done[0] += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(64)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        occupancy = []
+        while time.monotonic() - start < 30:
+            s = bank_stats(stack)
+            occupancy.append((s.slots_used, s.blocks_used))
+            time.sleep(1)
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - start
+        assert not errors, f"{len(errors)} errors of {done[0]}: {errors[:5]}"
+        assert done[0] > 64 and elapsed >= 30
+        wait_for(lambda: directory(stack).pins_held() == 0, 10, "no pins left")
+        final = bank_stats(stack)
+        assert final.pins_held == 0 and final.evictions > 0
+        assert all(s <= total.slots_total and b <= total.blocks_total for s, b in occupancy)
+        print(f"\n64 clients: {done[0]} requests in {elapsed:.1f} s ({done[0] / elapsed:.1f}/s), "
+              f"bank hits {final.hits} misses {final.misses} evictions {final.evictions}, "
+              f"max slots used {max(s for s, _ in occupancy)}/{total.slots_total}")
