@@ -275,6 +275,31 @@ def _read_meta(path: Path | None, default_id: str) -> CheckpointMeta:
     return CheckpointMeta(model_id=model_id, delimiters=dict(delimiters))
 
 
+@dataclass(frozen=True)
+class SideFiles:
+    head_path: Path | None
+    tokenizer_path: Path | None
+    meta: CheckpointMeta
+
+
+def find_side_files(checkpoint_dir: PathLike, adapter_dir: PathLike | None = None, *,
+                    require_head: bool = False, require_tokenizer: bool = False) -> SideFiles:
+    """Head, tokenizer and kev.json: looked for beside the adapter first, then the checkpoint."""
+    search = [Path(d) for d in (adapter_dir, checkpoint_dir) if d is not None]
+
+    def find(file: str, required: bool, what: str) -> Path | None:
+        for d in search:
+            if (d / file).is_file():
+                return d / file
+        if required:
+            raise CheckpointError(f"{' or '.join(str(d / file) for d in search)}: {what} not found")
+        return None
+
+    return SideFiles(head_path=find(HEAD_FILE, require_head, "decision head"),
+                     tokenizer_path=find(TOKENIZER_FILE, require_tokenizer, "tokenizer"),
+                     meta=_read_meta(find(META_FILE, False, "kev.json"), default_id=search[0].resolve().name))
+
+
 def load_checkpoint(
     checkpoint_dir: PathLike,
     adapter_dir: PathLike | None = None,
@@ -289,21 +314,10 @@ def load_checkpoint(
     """
     checkpoint_dir = Path(checkpoint_dir)
     adapter = Path(adapter_dir) if adapter_dir is not None else None
-    search = [d for d in (adapter, checkpoint_dir) if d is not None]
-
-    def find(file: str, required: bool, what: str) -> Path | None:
-        for d in search:
-            if (d / file).is_file():
-                return d / file
-        if required:
-            raise CheckpointError(f"{' or '.join(str(d / file) for d in search)}: {what} not found")
-        return None
-
     # Side files first: a missing head should fail before gigabytes of weights are read.
     config = read_config(checkpoint_dir)
-    head_path = find(HEAD_FILE, require_head, "decision head")
-    tokenizer_path = find(TOKENIZER_FILE, require_tokenizer, "tokenizer")
-    meta = _read_meta(find(META_FILE, False, "kev.json"), default_id=search[0].resolve().name)
+    side = find_side_files(checkpoint_dir, adapter, require_head=require_head, require_tokenizer=require_tokenizer)
+    head_path, tokenizer_path, meta = side.head_path, side.tokenizer_path, side.meta
 
     if adapter is None:
         weights = read_weights(checkpoint_dir, config, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """The public `kev.v1.Scorer` gRPC service: request handling and the status mapping.
 
-One request: parse (raw bytes, see convert.py) -> validate + render (`validate_and_build`) ->
+One request: parse (raw bytes, see kev/wire.py) -> validate + render (`validate_and_build`) ->
 a pinned document handle (bank_link.py) -> rows into the batcher -> wait (renewing the lease,
 watching the deadline and the client) -> answers. The pin is released on every way out:
 success, error, deadline, client cancellation.
@@ -34,7 +34,7 @@ from kev.engine import LoadedModel
 from kev.errors import InvalidRequest
 from kev.prompts import validate_and_build
 from kev.v1 import scorer_pb2 as pb
-from scorer_service import convert
+from kev import wire
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import Job, RowBatcher
 from scorer_service.config import ScorerConfig
@@ -59,7 +59,7 @@ class ScorerService:
         start = time.perf_counter()
         code, message, field = grpc.StatusCode.OK, "", None
         try:
-            return convert.response_to_proto(self._score(raw, context))
+            return wire.response_to_proto(self._score(raw, context))
         except InvalidRequest as e:
             code, message, field = grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field
         except ServiceError as e:
@@ -101,7 +101,7 @@ class ScorerService:
     def _score(self, raw: bytes, context: grpc.ServicerContext) -> api.ScoreResponse:
         if self.draining:
             raise Unavailable("the scorer is draining; retry on another")
-        request = convert.request_from_proto(convert.parse_request(raw, self.config.max_request_bytes))
+        request = wire.request_from_proto(wire.parse_request(raw, self.config.max_request_bytes))
         if request.model not in (None, self.loaded.model_id):
             raise InvalidRequest("model", f"unknown model {request.model!r} (this scorer serves "
                                           f"{self.loaded.model_id!r}; see ListModels)")

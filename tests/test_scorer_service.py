@@ -27,7 +27,7 @@ from kev.engine import Engine, LoadedModel
 from kev.prompts import Limits
 from kev.stack import Stack
 from kev.v1 import bank_pb2, bank_pb2_grpc, scorer_pb2, scorer_pb2_grpc
-from scorer_service.convert import request_to_proto, response_from_proto
+from kev.wire import request_to_proto, response_from_proto
 from tiny_stack import TINY_MODEL_ID, WORDS, make_tiny_checkpoint
 
 MAX_DOC_TOKENS = 512
