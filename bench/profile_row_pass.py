@@ -1,5 +1,9 @@
 """Where a row pass spends GPU time: top kernels of one indexed 96 x 32 pass (Kev-4B, bf16).
 
+The served path: fused projections and the fused norm/activation kernels of `TritonOps`
+(`--unfused`: one GEMM per projection). `bench.row_pass --profile-out` profiles the same way
+inside its own run.
+
     python -m bench.profile_row_pass --doc-tokens 2200
 """
 
@@ -21,9 +25,12 @@ def main():
     ap.add_argument("--doc-tokens", type=int, default=2200)
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--row-tokens", type=int, default=32)
+    ap.add_argument("--unfused", action="store_true", help="one GEMM per projection")
     args = ap.parse_args()
     cfg = kev4b_config()
     model = random_model(cfg)
+    if not args.unfused:
+        model.fuse_projections()
     docs = max(1, args.rows // 6)
     bank = Bank.allocate(cfg, docs, docs * (-(-args.doc_tokens // 64)), dtype=torch.bfloat16, device="cuda",
                          max_doc_tokens=args.doc_tokens)

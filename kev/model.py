@@ -2,26 +2,32 @@
 
 One `forward` serves both passes: a state pass (documents; final states written to bank slots)
 and a row pass (question rows continuing stored states, nothing written). Which is which is
-only in the `PassMeta`. Token mixing goes through an `Ops` backend; everything else (projections,
-norms, RoPE, MLP) is here. Parameter names match transformers' `Qwen3_5TextModel`.
+only in the `PassMeta`. Token mixing and every elementwise step (norms, activations, RoPE) go
+through an `Ops` backend: `TorchOps` keeps the CPU's exact batch-invariant maths, the GPU ops run
+fused kernels. The model itself computes the projections. Parameter names match transformers'
+`Qwen3_5TextModel`.
+
+On GPU, `fuse_projections()` makes each layer's input projections one GEMM (DeltaNet: qkv, z, b,
+a; attention: q, k, v; MLP: gate, up). The parameters become row views of one concatenated weight,
+so names, shapes and `state_dict` are unchanged; the outputs are column views of one buffer, which
+the ops read in place through their strides. Not with batch invariance (the CPU keeps one tiled
+GEMM per projection).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kev.bank.layout import StatePools
 from kev.config import LayerType, ModelConfig
-from kev.invariant import sigmoid, silu, softplus, tiled_linear
+from kev.invariant import tiled_linear
 from kev.ops import Ops, PassMeta
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's zero-centred RMSNorm: fp32 maths, scale by (1 + weight), back to x's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).type_as(x)
+from kev.ops.fused import reference
+from kev.ops.fused.reference import apply_rope, rms_norm  # noqa: F401  (the model's maths, kept importable here)
 
 
 class Linear(nn.Linear):
@@ -35,6 +41,39 @@ class Linear(nn.Linear):
         return tiled_linear(x, self.weight, self.bias, self.row_tile)
 
 
+class FusedProjection:
+    """Linears of one input run as one GEMM. Their weights (and biases) become row views of one
+    concatenated buffer, so the parameters keep their names and `state_dict` its keys; calling it
+    returns the outputs as column views of one [T, sum(out)] buffer."""
+
+    def __init__(self, linears: Sequence[Linear]):
+        if any(lin.row_tile for lin in linears):
+            raise ValueError("fused projections are one plain GEMM: not with batch-invariant row tiles")
+        if len({lin.bias is None for lin in linears}) != 1:
+            raise ValueError("fused projections need a bias on all of them or on none")
+        self.linears = tuple(linears)
+        self.splits = [lin.out_features for lin in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in linears])  # [sum(out), in]
+            self.bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+            start = 0
+            for lin, n in zip(linears, self.splits):
+                lin.weight = nn.Parameter(self.weight[start:start + n], requires_grad=lin.weight.requires_grad)
+                if self.bias is not None:
+                    lin.bias = nn.Parameter(self.bias[start:start + n], requires_grad=lin.bias.requires_grad)
+                start += n
+        self._pointers = self._views()
+
+    def _views(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for lin in self.linears for t in (lin.weight, lin.bias) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._views() != self._pointers:
+            raise RuntimeError("a fused projection's parameters were replaced (load_state_dict(assign=True)?): "
+                               "call fuse_projections() again")
+        return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)  # [T, sum(out)] -> column views
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -42,7 +81,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,10 +93,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, z):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * silu(z.float())).to(x.dtype)
+        return reference.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -75,20 +111,27 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(cfg.linear_value_dim, d, bias=False)
+        self.fused: FusedProjection | None = None
+
+    def fuse_projections(self) -> None:
+        self.fused = FusedProjection([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def forward(self, x, meta: PassMeta, ops: Ops, recurrent_pool, conv_pool):
         cfg, T = self.cfg, x.shape[0]
         H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = ops.causal_conv(self.in_proj_qkv(x), self.conv1d.weight[:, 0], meta, conv_pool)  # [T, conv_dim]
+        if self.fused is not None:
+            mixed, z, b, a = self.fused(x)  # column views of one [T, conv_dim + value_dim + 2 HV] buffer
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        qkv = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool)  # [T, conv_dim]
         # q, k, v stay column views of one buffer: the ops take strides, nothing copies.
         q = qkv[:, : cfg.linear_key_dim].unflatten(1, (H, K))
         k = qkv[:, cfg.linear_key_dim : 2 * cfg.linear_key_dim].unflatten(1, (H, K))
         v = qkv[:, 2 * cfg.linear_key_dim :].unflatten(1, (HV, V))
-        beta = sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * softplus(self.in_proj_a(x).float() + self.dt_bias)  # fp32 always
+        g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
         o = ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [T, HV, V]
-        z = self.in_proj_z(x).unflatten(1, (HV, V))
-        return self.out_proj(self.norm(o, z).reshape(T, HV * V))
+        o = ops.gated_rms_norm(o, z.unflatten(1, (HV, V)), self.norm.weight, self.norm.eps)  # [T, HV, V]
+        return self.out_proj(o.reshape(T, HV * V))
 
 
 class Attention(nn.Module):
@@ -104,16 +147,25 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * D, d, bias=bias)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.fused: FusedProjection | None = None
+
+    def fuse_projections(self) -> None:
+        self.fused = FusedProjection([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, rope, meta: PassMeta, ops: Ops, key_pages, value_pages):
         cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
-        qg = self.q_proj(x).unflatten(1, (cfg.num_attention_heads, 2 * D))  # [T, Hq, 2D]
+        if self.fused is not None:
+            qg, k, v = self.fused(x)  # column views of one [T, Hq 2D + 2 Hkv D] buffer
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg = qg.unflatten(1, (cfg.num_attention_heads, 2 * D))  # [T, Hq, 2D]
         q, gate = qg[..., :D], qg[..., D:]
-        q = apply_rope(self.q_norm(q), *rope)
-        k = apply_rope(self.k_norm(self.k_proj(x).unflatten(1, (cfg.num_key_value_heads, D))), *rope)
-        v = self.v_proj(x).unflatten(1, (cfg.num_key_value_heads, D))
+        q = ops.rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)  # [T, Hq, D]
+        k = ops.rms_norm_rope(k.unflatten(1, (cfg.num_key_value_heads, D)), self.k_norm.weight, self.k_norm.eps,
+                              *rope)  # [T, Hkv, D]
+        v = v.unflatten(1, (cfg.num_key_value_heads, D))
         o = ops.attention(q, k, v, meta, key_pages, value_pages)  # [T, Hq, D]
-        return self.o_proj((o * sigmoid(gate)).reshape(T, -1))
+        return self.o_proj(ops.sigmoid_mul(o, gate).reshape(T, -1))
 
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
@@ -125,24 +177,23 @@ def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first `rotary_dim` channels of every head; x is [T, H, D]."""
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([rot * cos[:, None] + rotated * sin[:, None], rest], dim=-1)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused: FusedProjection | None = None
 
-    def forward(self, x):
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse_projections(self) -> None:
+        self.fused = FusedProjection([self.gate_proj, self.up_proj])
+
+    def forward(self, x, ops: Ops):
+        if self.fused is not None:
+            gate, up = self.fused(x)  # column views of one [T, 2F] buffer
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -167,11 +218,46 @@ class Qwen35Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def set_batch_invariant(self, row_tile: int = 16) -> "Qwen35Model":
-        """Make every projection run in fixed row tiles (the CPU engine's bitwise batch invariance)."""
+        """Make every projection run in fixed row tiles (the CPU engine's bitwise batch invariance).
+        Row tiles need one GEMM per projection: fused projections are undone first."""
+        if row_tile:
+            self.unfuse_projections()
         for m in self.modules():
             if isinstance(m, Linear):
                 m.row_tile = row_tile
         return self
+
+    def _fusable(self):
+        return [m for m in self.modules() if isinstance(m, (GatedDeltaNet, Attention, MLP))]
+
+    @property
+    def projections_fused(self) -> bool:
+        return any(m.fused is not None for m in self._fusable())
+
+    def fuse_projections(self) -> "Qwen35Model":
+        """One GEMM for each layer's input projections (GPU serving; not with batch invariance).
+
+        Call after loading. Weights are concatenated layer by layer (one layer's weights of extra
+        memory at a time); the parameters become views of the fused weights, so `state_dict`,
+        `load_state_dict` (copying) and `.to()` keep working (`.to()` re-fuses on the new device)."""
+        for m in self._fusable():
+            m.fuse_projections()
+        return self
+
+    def unfuse_projections(self) -> "Qwen35Model":
+        """Back to one GEMM per projection (the parameters stay views of the fused weights)."""
+        for m in self._fusable():
+            m.fused = None
+        return self
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() replace each parameter's data on its own: fuse again afterwards.
+        fused = self.projections_fused
+        self.unfuse_projections()
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_projections()
+        return out
 
     def forward(
         self,
@@ -184,16 +270,26 @@ class Qwen35Model(nn.Module):
         x = self.embed_tokens(tokens)
         rope = rope_tables(meta.token_positions(), self.cfg, x.dtype)
         deltanet_i = attention_i = 0
-        for layer in self.layers:
-            h = layer.input_layernorm(x)
+        h = None  # the last block's output, added to x by the next norm (one fused pass on GPU)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            norm = layer.input_layernorm
+            if h is None:
+                normed = ops.rms_norm(x, norm.weight, norm.eps)
+            else:
+                x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps)
             if layer.layer_type is LayerType.DELTANET:
-                h = layer.linear_attn(h, meta, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i])
+                h = layer.linear_attn(normed, meta, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i])
                 deltanet_i += 1
             else:
-                h = layer.self_attn(h, rope, meta, ops, pools.keys[attention_i], pools.values[attention_i])
+                h = layer.self_attn(normed, rope, meta, ops, pools.keys[attention_i], pools.values[attention_i])
                 attention_i += 1
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if picks is not None:
-            x = x[picks]  # the head only reads <decide> and each </opt>: norm just those
-        return self.norm(x)
+            if i == last and picks is not None:
+                # the head only reads <decide> and each </opt>: the last MLP and the final norm run on just those
+                x, h = x[picks], h[picks]
+            norm = layer.post_attention_layernorm
+            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps)
+            h = layer.mlp(normed, ops)
+        if h is None:  # no layers
+            return ops.rms_norm(x if picks is None else x[picks], self.norm.weight, self.norm.eps)
+        return ops.add_rms_norm(x, h, self.norm.weight, self.norm.eps)[1]

@@ -1,9 +1,8 @@
 """The project's own Triton kernels under TRITON_INTERPRET=1 on CPU, against the torch references.
 
-Triton decides between compiled and interpreted kernels when `@triton.jit` runs (at import), so
-the `interp` fixture imports fresh copies of the kernel modules and of fla with the variable set,
-and puts the previous modules back afterwards (nothing leaks into other tests). Every autotuned
-kernel runs one pinned config there: the autotuner cannot benchmark without a GPU.
+The `interp` fixture imports fresh interpreted copies of the kernel modules and of fla
+(`interpret_support.interpreted_kernels`) and puts the previous modules back afterwards. Every
+autotuned kernel runs one pinned config there: the autotuner cannot benchmark without a GPU.
 
 Shapes are tiny (K = V = 16, head_dim 32): the interpreter is slow. Parametrized by what changes
 the code path: sequence lengths around the 64-token chunk (1, 63, 65), head ratios 1 and 2 (3 for
@@ -12,20 +11,15 @@ attention: a non-power-of-two row stack), strided/packed views, repeated reads, 
 and counts the compile keys over batch sizes 1..64 (no GPU needed, nothing is compiled).
 """
 
-import importlib
-import sys
 from collections import defaultdict
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from interpret_support import FakeHopper, compiled_kernels, interpreted_kernels, poison_empty
 from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps
-
-MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan", "kev.ops.attention.paged_prefix",
-           "kev.ops.triton_ops", "kev.ops.gathered_ops")
 
 
 def rel_err(ref, out):
@@ -33,87 +27,16 @@ def rel_err(ref, out):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _swap_modules(names_prefixes, saved=None):
-    """Remove (and return) the modules under the given prefixes; restore `saved` when given."""
-    gone = {n: m for n, m in sys.modules.items() if n == "fla" or n.startswith(names_prefixes)}
-    for n in gone:
-        del sys.modules[n]
-    if saved is not None:
-        sys.modules.update(saved)
-        for n, m in saved.items():  # parent packages point at the restored submodules again
-            parent, _, child = n.rpartition(".")
-            if parent in sys.modules:
-                setattr(sys.modules[parent], child, m)
-    return gone
-
-
 @pytest.fixture(scope="module")
 def interp():
-    prefixes = ("fla.", *MODULES)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        import triton.runtime.interpreter as interpreter
-        from triton.runtime.autotuner import Autotuner
-
-        # numpy >= 2.4 refuses int() of the interpreter's 1-element scalars, which `range(tensor)`
-        # needs (loops bounded by loaded lengths). Patch the interpreter's __index__ for the run.
-        original = interpreter._patch_lang_tensor
-
-        def patch_lang_tensor(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        mp.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-
-        # triton.language's own @jit helpers (tl.zeros, tl.cdiv, ...) were decorated when triton was
-        # first imported, maybe before the variable was set: run them interpreted when called from
-        # an interpreted kernel instead of refusing.
-        from triton.runtime.jit import JITFunction
-
-        as_interpreted = {}
-
-        def call_interpreted(self, *args, **kwargs):
-            if self.fn not in as_interpreted:
-                as_interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
-            return as_interpreted[self.fn](*args, **kwargs)
-
-        mp.setattr(JITFunction, "__call__", call_interpreted)
-        saved = _swap_modules(prefixes)
-        try:
-            mods = SimpleNamespace(
-                conv=importlib.import_module("kev.ops.conv.indexed_conv"),
-                scan=importlib.import_module("kev.ops.delta_rule.indexed_scan"),
-                attn=importlib.import_module("kev.ops.attention.paged_prefix"),
-                triton_ops=importlib.import_module("kev.ops.triton_ops"),
-                gathered_ops=importlib.import_module("kev.ops.gathered_ops"),
-            )
-            for name, mod in list(sys.modules.items()):  # pin fla's autotuned kernels to one config
-                if name.startswith("fla"):
-                    for obj in list(vars(mod).values()):
-                        while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
-                            obj = obj.fn
-                        if isinstance(obj, Autotuner) and len(obj.configs) > 1:
-                            mp.setattr(obj, "configs", obj.configs[:1])
-            yield mods
-        finally:
-            _swap_modules(prefixes, saved)
+    with interpreted_kernels() as mods:
+        yield mods
 
 
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every float tensor the kernels allocate starts as NaN: an unwritten element fails the test."""
-    empty, new_empty = torch.empty, torch.Tensor.new_empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_new_empty(self, *args, **kwargs):
-        t = new_empty(self, *args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+    poison_empty(monkeypatch)
 
 
 def packed(lens):
@@ -345,34 +268,12 @@ def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
 
 # ---- compile count: the real JIT front end, a fake Hopper target, nothing compiled ----
 
-class _FakeHopper:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-
 @pytest.fixture
 def compiled_modules():
-    """Fresh non-interpreted imports of the kernel modules (whatever an interp fixture left active)."""
     if torch.cuda.is_available():
         pytest.skip("CPU-only check (the GPU test counts real compiles)")
-    prefixes = ("fla.", *MODULES)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("TRITON_INTERPRET", raising=False)
-        saved = _swap_modules(prefixes)
-        try:
-            yield SimpleNamespace(conv=importlib.import_module("kev.ops.conv.indexed_conv"),
-                                  scan=importlib.import_module("kev.ops.delta_rule.indexed_scan"),
-                                  attn=importlib.import_module("kev.ops.attention.paged_prefix"))
-        finally:
-            _swap_modules(prefixes, saved)
+    with compiled_kernels() as mods:
+        yield mods
 
 
 def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
@@ -386,7 +287,7 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
                indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel]
     for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
-    monkeypatch.setattr(driver, "_active", _FakeHopper())
+    monkeypatch.setattr(driver, "_active", FakeHopper())
     keys = defaultdict(set)
 
     def record(*, key, fn, **_):

@@ -1,9 +1,11 @@
-"""The three token-mixing ops the backbone delegates, behind one small interface.
+"""The ops the backbone delegates, behind one small interface.
 
-The model computes projections, norms and RoPE itself and hands these ops packed varlen
-tensors plus a `PassMeta` saying where each sequence's state comes from and goes to. Two
-implementations: `TorchOps` (fp32 reference, the CPU engine path) and the GPU ops, which read
-and write the bank in place by slot index. The model never knows which one runs.
+Three token-mixing ops take packed varlen tensors plus a `PassMeta` saying where each sequence's
+state comes from and goes to. The model's elementwise steps (norms, activations, RoPE) are ops
+too, so the GPU runs them as fused kernels while the CPU keeps its exact batch-invariant maths.
+The model computes only the projections itself. Two implementations: `TorchOps` (the reference,
+the CPU engine path) and the GPU ops, which read and write the bank in place by slot index and
+fuse the elementwise steps. The model never knows which one runs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,68 @@ class Ops(Protocol):
         key_pages: torch.Tensor,  # [NB, BS, Hkv, D]
         value_pages: torch.Tensor,  # [NB, BS, Hkv, D]
     ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+    # ---- norms and activations (the model's elementwise steps; fused kernels on GPU) ----
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, D] or [T, H, D], unit stride over D (may be a strided view)
+        weight: torch.Tensor,  # [D]: the scale is 1 + weight (zero-centred)
+        eps: float,
+    ) -> torch.Tensor:  # same shape, x's dtype; fp32 maths
+        ...
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,  # [T, D] residual stream
+        h: torch.Tensor,  # [T, D] a block's output
+        weight: torch.Tensor,  # [D]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (x + h, rms_norm(x + h)), both [T, D]
+        ...
+
+    def rms_norm_rope(
+        self,
+        x: torch.Tensor,  # [T, H, D] q or k heads (may be a strided view)
+        weight: torch.Tensor,  # [D]
+        eps: float,
+        cos: torch.Tensor,  # [T, R] rotary tables, R <= D
+        sin: torch.Tensor,  # [T, R]
+    ) -> torch.Tensor:  # [T, H, D] rms_norm, then rotate-half RoPE on the first R channels
+        ...
+
+    def gated_rms_norm(
+        self,
+        x: torch.Tensor,  # [T, HV, V] delta-rule output
+        z: torch.Tensor,  # [T, HV, V] gate (may be a strided view)
+        weight: torch.Tensor,  # [V]: plain scale
+        eps: float,
+    ) -> torch.Tensor:  # [T, HV, V] rms_norm(x) * weight * silu(z), x's dtype
+        ...
+
+    def silu_mul(
+        self,
+        gate: torch.Tensor,  # [T, F] (may be a column view of a fused gate+up projection)
+        up: torch.Tensor,  # [T, F]
+    ) -> torch.Tensor:  # [T, F] silu(gate) * up
+        ...
+
+    def sigmoid_mul(
+        self,
+        x: torch.Tensor,  # [T, Hq, D] attention output
+        gate: torch.Tensor,  # [T, Hq, D] (may be a strided view)
+    ) -> torch.Tensor:  # [T, Hq, D] x * sigmoid(gate)
+        ...
+
+    def delta_gates(
+        self,
+        a: torch.Tensor,  # [T, HV] in_proj_a output (may be a column view)
+        b: torch.Tensor,  # [T, HV] in_proj_b output (may be a column view)
+        A_log: torch.Tensor,  # [HV]
+        dt_bias: torch.Tensor,  # [HV]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (g [T, HV] fp32 log decay, beta [T, HV] in b's dtype)
         ...
 
 

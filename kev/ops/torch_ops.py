@@ -1,7 +1,7 @@
 """`TorchOps`: the float32 reference implementation of the ops interface (the CPU engine path).
 
 A loop over sequences with plain torch maths; per-sequence work keeps every answer independent
-of what else shares the pass. States are read from and written to the pools by slot index.
+of what else shares the pass. Norms and activations are `kev.ops.fused.reference`. States are read from and written to the pools by slot index.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
+from kev.ops.fused import reference
 from kev.ops.meta import PassMeta
 
 QUERY_BLOCK = 256
@@ -21,6 +22,15 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class TorchOps:
     name = "torch"
+
+    # The elementwise steps: exactly the reference maths (kev.invariant activations).
+    rms_norm = staticmethod(reference.rms_norm)
+    add_rms_norm = staticmethod(reference.add_rms_norm)
+    rms_norm_rope = staticmethod(reference.rms_norm_rope)
+    gated_rms_norm = staticmethod(reference.gated_rms_norm)
+    silu_mul = staticmethod(reference.silu_mul)
+    sigmoid_mul = staticmethod(reference.sigmoid_mul)
+    delta_gates = staticmethod(reference.delta_gates)
 
     def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
         W = weight.shape[1]

@@ -10,6 +10,9 @@ Contract (as in the bank's use): a sequence may read and write the same slot (a 
 continuing in place), and any number of sequences may read one slot, but a slot written in a
 pass is read by no *other* sequence of that pass (TorchOps would see the write, the kernels may not).
 
+The model's norms and activations run as fused Triton kernels (`kev.ops.fused`): one read and
+one write per tensor instead of a chain of fp32 elementwise passes.
+
 Chunk indices (fla's varlen helpers; they sync with the host) are prepared once per `PassMeta`
 and shared by every layer of the pass (cached by the meta object's identity). For CUDA graphs,
 call `prepare(meta)` for each bucket before capture and keep that meta and its buffers static.
@@ -26,6 +29,7 @@ from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
+from kev.ops.fused import activations, norms
 from kev.ops.meta import PassMeta
 
 assert CONV_CHUNK == CHUNK, "conv and scan share one chunk_indices"
@@ -48,6 +52,15 @@ class PassIndices:
 class TritonOps:
     name = "triton"
 
+    # The elementwise steps as fused kernels (kev.ops.fused; reference: kev.ops.fused.reference).
+    rms_norm = staticmethod(norms.rms_norm)
+    add_rms_norm = staticmethod(norms.add_rms_norm)
+    rms_norm_rope = staticmethod(norms.rms_norm_rope)
+    gated_rms_norm = staticmethod(norms.gated_rms_norm)
+    silu_mul = staticmethod(activations.silu_mul)
+    sigmoid_mul = staticmethod(activations.sigmoid_mul)
+    delta_gates = staticmethod(activations.delta_gates)
+
     def __init__(self) -> None:
         self._indices: weakref.WeakKeyDictionary[PassMeta, PassIndices] = weakref.WeakKeyDictionary()
 
@@ -60,6 +73,11 @@ class TritonOps:
                               attn_chunks={})
             self._indices[meta] = idx
         return idx
+
+    def pin(self, meta: PassMeta, indices: PassIndices) -> None:
+        """Use `indices` for `meta` from now on (a CUDA-graph bucket's static chunk lists, whose
+        `cu_seqlens` changes in place between replays: never derive them from it)."""
+        self._indices[meta] = indices
 
     def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
         return indexed_causal_conv(x=x, weight=weight, cu_seqlens=meta.cu_seqlens, conv_pool=conv_pool,

@@ -166,6 +166,7 @@ def paged_prefix_attention(
     chunk_indices: torch.Tensor | None = None,
     scale: float | None = None,
     config: triton.Config | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
 
@@ -180,6 +181,8 @@ def paged_prefix_attention(
                    computed (host sync) when None
     scale:         default D^-0.5
     config:        run this one config instead of the autotuner
+    block_n:       keys per inner step (default: 64 for head dims <= 128, else 32); the online-softmax
+                   order depends on it, so it is fixed per head dim and never autotuned (benchmarks only)
     Returns o: [T, Hq, D] contiguous, q's dtype.
     """
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
@@ -230,7 +233,7 @@ def paged_prefix_attention(
             *key_pages.stride()[:3], *value_pages.stride()[:3], *out_key_pages.stride()[:3],
             *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
     meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
-                BN=64 if BD <= 128 else 32)
+                BN=block_n or (64 if BD <= 128 else 32))
     grid = (NT, HKV)
     if config is None:
         _tuned_attn_kernel[grid](*args, **meta)

@@ -6,9 +6,10 @@ A pass packs N sequences back to back (`cu_seqlens`). Sequence n continues the c
 gathered or copied: the kernel reads and writes the pools in place through their strides, so a
 pool that is a strided view of a larger buffer (shared memory, CUDA IPC) works as it is.
 
-The grid runs over (channel block, chunk of BT tokens of one sequence). The final-state write is
-done by each sequence's chunk-0 program, the only program that reads the start state, after a
-barrier: a sequence may read and write the same slot (a long document continuing in its slot).
+The grid runs over (channel block, chunk of BT tokens of one sequence); a program walks its chunk
+in steps of BS tokens (a small register tile: no spills). The first W-1 outputs of a sequence,
+the only ones whose window reaches into the start state, are computed by a separate head step of
+its chunk-0 program, which also does the final-state write, after a barrier: a sequence may read and write the same slot (a long document continuing in its slot).
 Two *different* sequences of one pass must not read and write the same slot.
 
 Reference: `naive.causal_conv_reference` (and `TorchOps.causal_conv`).
@@ -23,9 +24,12 @@ from fla.ops.utils.index import prepare_chunk_indices
 
 CONV_CHUNK = 64  # tokens per program: the same chunking as the delta rule, so one chunk_indices serves both
 
+# BS tokens per inner step keep the register tile small: a [64, BC] fp32 tile per tap spilled
+# (255 registers, 1.2 KB of stack at BC 128) and ran ~10x slower than the memory traffic allows.
+# Every config computes each output element with the same maths: all are bit-identical.
 CONV_CONFIGS = [
-    triton.Config({"BC": BC}, num_warps=num_warps)
-    for BC, num_warps in [(128, 4), (64, 2), (256, 4), (256, 8)]
+    triton.Config({"BC": BC, "BS": BS}, num_warps=num_warps)
+    for BC, BS, num_warps in [(128, 32, 4), (256, 16, 4), (256, 32, 8), (64, 64, 4), (512, 16, 8), (128, 16, 2)]
 ]
 if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
     CONV_CONFIGS = CONV_CONFIGS[:1]
@@ -50,7 +54,8 @@ def indexed_conv_fwd_kernel(
     N_CLASS, T_CLASS,  # shape-class autotune keys only (unused in the body)
     W: tl.constexpr,
     WP: tl.constexpr,  # next power of two >= W - 1
-    BT: tl.constexpr,
+    BT: tl.constexpr,  # tokens per chunk (one program)
+    BS: tl.constexpr,  # tokens per inner step
     BC: tl.constexpr,
 ):
     i_c, i_ct = tl.program_id(0), tl.program_id(1)
@@ -61,31 +66,49 @@ def indexed_conv_fwd_kernel(
 
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < L
+    t0 = i_t * BT  # first token of the chunk inside the sequence
+    n_tok = tl.minimum(L - t0, BT).to(tl.int32)  # tokens of this chunk
+    p_x = x + (bos + t0) * stride_x_t  # chunk base; tile offsets below stay int32
+    p_y = y + (bos + t0) * C
+    # The sequence's first W-1 outputs also read its start state: the head step below owns them.
+    n_head = tl.where(i_t == 0, W - 1, 0)
+
+    for s0 in range(0, n_tok, BS):
+        o_s = s0 + tl.arange(0, BS)  # [BS] token inside the chunk
+        m_s = o_s < n_tok
+        b_y = tl.zeros([BS, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+            o_p = o_s - (W - 1) + j  # [BS] input token inside the chunk (< 0: the previous chunk)
+            m_x = m_s & (t0 + o_p >= 0)
+            b_x = tl.load(p_x + o_p[:, None] * stride_x_t + o_c[None, :] * stride_x_c,
+                          mask=m_x[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BS, BC]
+            b_y += b_x * b_w[None, :]
+        b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
+        m_y = m_s & (o_s >= n_head)
+        tl.store(p_y + o_s[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_y[:, None] & m_c[None, :])
 
     b_read = tl.load(read_slots + i_n).to(tl.int64)
     p_start = conv_pool + tl.maximum(b_read, 0) * stride_p_s + o_c * stride_p_c  # [BC]
-
-    b_y = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-        pos = o_t - (W - 1) + j  # [BT] input position inside the sequence; < 0 lies in the start state
-        m_x = m_t & (pos >= 0)
-        p_x = x + (bos + pos)[:, None] * stride_x_t + o_c[None, :] * stride_x_c
-        b_x = tl.load(p_x, mask=m_x[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BT, BC]
-        m_s = m_t & (pos < 0) & (b_read >= 0)
-        p_s = p_start[None, :] + (pos + W - 1)[:, None] * stride_p_w
-        b_s = tl.load(p_s, mask=m_s[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BT, BC]
-        b_y += (b_x + b_s) * b_w[None, :]
-    b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
-    p_y = y + (bos + o_t)[:, None] * C + o_c[None, :]
-    tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-
     if i_t == 0:
+        # head: the first W-1 outputs, whose window reaches into the start state
+        o_w = tl.arange(0, WP)
+        m_h = (o_w < W - 1) & (o_w < L)
+        b_y = tl.zeros([WP, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+            pos = o_w - (W - 1) + j  # [WP] input position inside the sequence; < 0 lies in the start state
+            b_x = tl.load(p_x + pos[:, None] * stride_x_t + o_c[None, :] * stride_x_c,
+                          mask=(m_h & (pos >= 0))[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [WP, BC]
+            m_s = m_h & (pos < 0) & (b_read >= 0)
+            b_s = tl.load(p_start[None, :] + (pos + W - 1)[:, None] * stride_p_w, mask=m_s[:, None] & m_c[None, :],
+                          other=0.0).to(tl.float32)  # [WP, BC]
+            b_y += (b_x + b_s) * b_w[None, :]
+        b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
+        tl.store(p_y + o_w[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_h[:, None] & m_c[None, :])
+
         # the sequence's last W-1 inputs; with L < W-1 part of them is still the start state
         b_write = tl.load(write_slots + i_n).to(tl.int64)
-        o_w = tl.arange(0, WP)
         f_pos = L - (W - 1) + o_w  # [WP]
         m_w = (o_w < W - 1) & (b_write >= 0)
         p_fx = x + (bos + f_pos)[:, None] * stride_x_t + o_c[None, :] * stride_x_c

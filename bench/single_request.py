@@ -1,0 +1,100 @@
+"""Model time of one request alone, with CUDA graphs (issue 5's single-request figures).
+
+Kev-4B shapes, random bf16 weights. six-short: a new 48-token document and 6 question rows of
+32 tokens; five-long: a 2,200-token document and 5 rows of 32 tokens. `new_ms` = state pass +
+row pass (the document is not in the bank), `cached_ms` = row pass only. Wall time from the host
+call to the GPU being done (row batch built and copied in, both passes, one sync), medians.
+Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
+`GraphedPasses.capture`). The same passes eager (no graphs) are reported beside them.
+
+    python -m bench.single_request --out bench/results/single_request.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import kev4b_config, random_model, run_info, write_json
+from kev.bank.bank import Bank, BankHandle
+from kev.graphs import CapturePolicy, GraphedPasses
+from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners, warm_up
+from kev.ops.triton_ops import TritonOps
+from kev.runner import RowBatch, Runner
+
+WORKLOADS = {"six-short": (48, 6, 32), "five-long": (2200, 5, 32)}  # doc tokens, rows, row tokens
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def request(passes, bank, doc, rows, cached: BankHandle | None = None):
+    """One request: a state pass (new: `cached` is None) + the row pass. Returns the picked states."""
+    handle = cached if cached is not None else bank.alloc(len(doc))
+    batch = RowBatch.build(rows, [handle] * len(rows), [len(doc)] * len(rows), [[len(r) - 1] for r in rows],
+                           device="cuda")
+    if cached is None:
+        passes.state_pass([doc], [handle])
+    out = passes.row_pass(batch)
+    if cached is None:
+        bank.free(handle)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/single_request.json")
+    ap.add_argument("--reps", type=int, default=21)
+    args = ap.parse_args()
+    cfg = kev4b_config()
+    model = random_model(cfg)
+    bank = Bank.allocate(cfg, num_slots=8, num_blocks=8 * 36, block_size=64, dtype=torch.bfloat16, device="cuda",
+                         max_doc_tokens=2304)
+    runner = Runner(model, bank, TritonOps(), tuner=ClassTuner(hot_autotuners()))
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()  # start-up as a server does it: documents' class, one document, rows' class
+    warm_up(runner, [ShapeClass.DOCS_FEW])
+    prime = bank.alloc(2200)
+    runner.state_pass([torch.randint(0, cfg.vocab_size, (2200,), generator=gen).tolist()], [prime])
+    warm_up(runner, [ShapeClass.ROWS_FEW], row_slot=prime.slot, row_prefix=2200)
+    warm_s = time.perf_counter() - t0
+    graphed = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)
+    result = {**run_info(), "warm_up_s": warm_s}
+    for name, (doc_tokens, n_rows, row_tokens) in WORKLOADS.items():
+        doc = torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist()
+        rows = [torch.randint(0, cfg.vocab_size, (row_tokens,), generator=gen).tolist() for _ in range(n_rows)]
+        keys = [graphed.buckets.state_key(1, doc_tokens), graphed.buckets.row_key(n_rows, row_tokens, n_rows)]
+        t0 = time.perf_counter()
+        graphed.capture(keys)
+        capture_s = time.perf_counter() - t0
+        cached = bank.alloc(doc_tokens)
+        runner.state_pass([doc], [cached])
+        for passes in (graphed, runner):  # warm both paths (allocator, first launches)
+            request(passes, bank, doc, rows), request(passes, bank, doc, rows, cached)
+        times = {k: [] for k in ("new", "cached", "eager_new", "eager_cached")}
+        for _ in range(args.reps):  # alternate so drift hits all alike
+            times["new"].append(timed(lambda: request(graphed, bank, doc, rows)))
+            times["cached"].append(timed(lambda: request(graphed, bank, doc, rows, cached)))
+            times["eager_new"].append(timed(lambda: request(runner, bank, doc, rows)))
+            times["eager_cached"].append(timed(lambda: request(runner, bank, doc, rows, cached)))
+        g_out, e_out = request(graphed, bank, doc, rows, cached), request(runner, bank, doc, rows, cached)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        result[name] = {"new_ms": med["new"], "cached_ms": med["cached"], "eager_new_ms": med["eager_new"],
+                        "eager_cached_ms": med["eager_cached"], "doc_tokens": doc_tokens, "rows": n_rows,
+                        "row_tokens": row_tokens, "graph_keys": [str(k) for k in keys], "capture_s": capture_s,
+                        "graphed_vs_eager_max_abs": (g_out.float() - e_out.float()).abs().max().item(),
+                        "graph_stats": vars(graphed.stats).copy(), "reps": args.reps}
+        write_json(args.out, result)  # partial results survive a time-out
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""CUDA graphs for row passes and short state passes, bucketed by (sequences, tokens each, picks).
+
+`GraphedPasses` mirrors `Runner.row_pass` / `Runner.state_pass`. A pass that fits a bucket
+(`Buckets`) is padded into that bucket's static buffers (`kev.static_pass`); if the bucket has a
+graph it is replayed, else the same padded pass runs eagerly (same kernels, same autotune class,
+so the answer never depends on whether a graph existed). A pass that fits no bucket (too many
+rows, long documents, chunks carried in a slot) runs the plain `Runner` path.
+
+The stored-state length is not a bucket dimension: the indexed kernels read each row's prefix
+length at run time, so one graph serves rows over 40-token and 60k-token documents alike.
+
+Capture policy (`CapturePolicy`), never a stall on a busy server:
+- WARMUP_ONLY: graphs only from `capture(keys)` at start-up (after `autotune.warm_up`).
+- WHEN_IDLE: a bucket used `min_uses` times without a graph is queued; the server calls
+  `capture_pending()` when its queue is empty.
+- ON_FIRST_USE: capture at the first use (benchmarks, tests).
+Capture runs the pass once eagerly on a side stream (compiles; autotunes only if the class was
+never warmed), then captures it; nothing inside the capture syncs with the host or autotunes.
+At most `max_graphs` graphs are kept (least recently used dropped); all share one memory pool,
+which is safe because replays never overlap and outputs are copied out right after each replay.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kev.bank.bank import BankHandle
+from kev.ops.attention.paged_prefix import query_block
+from kev.ops.triton_ops import TritonOps
+from kev.runner import RowBatch, Runner
+from kev.static_pass import GraphKey, PassKind, StaticPass
+
+
+class CapturePolicy(enum.Enum):
+    WARMUP_ONLY = "warmup_only"
+    WHEN_IDLE = "when_idle"
+    ON_FIRST_USE = "on_first_use"
+
+
+def _bucket(value: int, sizes: Sequence[int]) -> int | None:
+    return next((s for s in sizes if s >= value), None)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    rows: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    row_tokens: tuple[int, ...] = (16, 32, 48, 64, 96, 128)
+    picks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
+    docs: tuple[int, ...] = (1, 2, 4)
+    doc_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1536, 2048, 2304, 2560, 3072, 4096)
+
+    def row_key(self, num_rows: int, max_len: int, num_picks: int) -> GraphKey | None:
+        R, L, P = _bucket(num_rows, self.rows), _bucket(max_len, self.row_tokens), _bucket(num_picks, self.picks)
+        return None if None in (R, L, P) else GraphKey(PassKind.ROWS, R, L, P)
+
+    def state_key(self, num_docs: int, max_len: int) -> GraphKey | None:
+        D, L = _bucket(num_docs, self.docs), _bucket(max_len, self.doc_tokens)
+        return None if None in (D, L) else GraphKey(PassKind.STATE, D, L)
+
+
+@dataclass
+class GraphStats:
+    replays: int = 0
+    eager_bucketed: int = 0  # bucketed passes run eagerly (no graph yet)
+    unbucketed: int = 0  # passes that fit no bucket (plain Runner)
+    captures: int = 0
+    evictions: int = 0
+    capture_errors: list[str] = field(default_factory=list)
+
+
+class _Entry:
+    def __init__(self, static: StaticPass):
+        self.static = static
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+
+class GraphedPasses:
+    def __init__(self, runner: Runner, buckets: Buckets = Buckets(), policy: CapturePolicy = CapturePolicy.WHEN_IDLE,
+                 max_graphs: int = 32, max_entries: int = 64, min_uses: int = 2):
+        if not isinstance(runner.ops, TritonOps):
+            raise ValueError(f"CUDA graphs need the indexed TritonOps, got {type(runner.ops).__name__}")
+        self.runner, self.buckets, self.policy = runner, buckets, policy
+        self.max_graphs, self.max_entries, self.min_uses = max_graphs, max_entries, min_uses
+        cfg = runner.model.cfg
+        self.attn_block = query_block(cfg.num_attention_heads // cfg.num_key_value_heads)
+        self.stats = GraphStats()
+        self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
+        self._uses: Counter[GraphKey] = Counter()
+        self._pending: list[GraphKey] = []
+        self.failed: set[GraphKey] = set()
+        self._pool = None
+
+    # ---- the two passes ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def row_pass(self, batch: RowBatch) -> torch.Tensor:
+        """Same as `Runner.row_pass(batch)` for the real rows: [P, d] hidden states at the picks."""
+        key = None
+        if batch.row_lens:
+            key = self.buckets.row_key(len(batch.row_lens), max(batch.row_lens), batch.picks.shape[0])
+        if key is None:
+            self.stats.unbucketed += 1
+            return self.runner.row_pass(batch)
+        entry = self._entry(key)
+        P = entry.static.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions,
+                                   batch.picks, self.runner.bank.block_table)
+        return self._run(key, entry)[:P].clone()
+
+    @torch.no_grad()
+    def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
+        """Same as `Runner.state_pass`; short new documents (one chunk each) run bucketed."""
+        lens = [len(d) for d in documents]
+        key = None
+        if lens and min(lens) > 0 and max(lens) <= self.runner.state_chunk_tokens:
+            key = self.buckets.state_key(len(lens), max(lens))
+        if key is None:
+            self.stats.unbucketed += 1
+            return self.runner.state_pass(documents, handles)
+        for h in handles:
+            self.runner.bank.check(h)
+        entry = self._entry(key)
+        entry.static.fill_state(documents, [h.slot for h in handles], self.runner.bank.block_table)
+        self._run(key, entry)
+
+    # ---- capture -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def capture(self, keys: Iterable[GraphKey]) -> None:
+        """Capture graphs for `keys` now (start-up, after `warm_up`), on synthetic fills: rows of L
+        tokens from nothing, or documents written nowhere."""
+        for key in keys:
+            entry = self._entry(key)
+            self._fill_synthetic(entry.static)
+            self._capture(key, entry)
+
+    def capture_pending(self, limit: int = 1) -> int:
+        """Capture up to `limit` queued buckets (WHEN_IDLE: call when the server is idle). Their
+        buffers still hold the last real pass, so the warm-up run is representative."""
+        done = 0
+        while self._pending and done < limit:
+            key = self._pending.pop(0)
+            entry = self._entries.get(key)
+            if entry is not None and entry.graph is None:
+                with torch.no_grad():
+                    self._try_capture(key, entry)
+                done += 1
+        return done
+
+    @property
+    def pending(self) -> list[GraphKey]:
+        return list(self._pending)
+
+    def graphs(self) -> list[GraphKey]:
+        return [k for k, e in self._entries.items() if e.graph is not None]
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _entry(self, key: GraphKey) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            static = StaticPass(key, self.runner.bank.block_table.shape[1], self.attn_block, self.runner.device)
+            self.runner.ops.pin(static.meta, static.indices())
+            entry = self._entries[key] = _Entry(static)
+            while len(self._entries) > self.max_entries:
+                self._evict(next(iter(self._entries)))
+        self._entries.move_to_end(key)
+        return entry
+
+    def _forward(self, entry: _Entry) -> torch.Tensor:
+        s, r = entry.static, self.runner
+        return r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
+
+    def _run(self, key: GraphKey, entry: _Entry) -> torch.Tensor:
+        if entry.graph is None and key not in self.failed:
+            self._uses[key] += 1
+            if self.policy is CapturePolicy.ON_FIRST_USE:
+                self._try_capture(key, entry)
+            elif (self.policy is CapturePolicy.WHEN_IDLE and self._uses[key] >= self.min_uses
+                  and key not in self._pending):
+                self._pending.append(key)
+        if entry.graph is not None:
+            entry.graph.replay()
+            self.stats.replays += 1
+            return entry.out
+        self.stats.eager_bucketed += 1
+        with self.runner.tuned(key.shape_class):
+            return self._forward(entry)
+
+    def _try_capture(self, key: GraphKey, entry: _Entry) -> None:
+        """A lazy capture that fails leaves the bucket eager for good (and says why in stats)."""
+        try:
+            self._capture(key, entry)
+        except Exception as e:  # noqa: BLE001 - serving goes on eagerly; the error is kept
+            self.failed.add(key)
+            self.stats.capture_errors.append(f"{key}: {e!r}")
+
+    def _capture(self, key: GraphKey, entry: _Entry) -> None:
+        with self.runner.tuned(key.shape_class):
+            entry.graph, entry.out = self._record(entry)
+        self.stats.captures += 1
+        self._uses.pop(key, None)
+        while len(self.graphs()) > self.max_graphs:
+            self._evict(next(k for k, e in self._entries.items() if e.graph is not None))
+
+    def _record(self, entry: _Entry) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm the pass up on a side stream (compiles; autotunes only an unwarmed class), then
+        capture it into the shared pool. Returns (graph, its static output)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(entry)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(entry)
+        return graph, out
+
+    def _evict(self, key: GraphKey) -> None:
+        entry = self._entries.pop(key)
+        if entry.graph is not None:
+            entry.graph.reset()
+            self.stats.evictions += 1
+        if key in self._pending:
+            self._pending.remove(key)
+
+    def _fill_synthetic(self, s: StaticPass) -> None:
+        key, device = s.key, self.runner.device
+        if key.kind is PassKind.ROWS:
+            R, L = key.seqs, key.seq_len
+            cu = torch.arange(R + 1, dtype=torch.int64, device=device) * L
+            slots = torch.full((R,), -1, dtype=torch.int64, device=device)
+            s.fill_rows(torch.zeros(R * L, dtype=torch.int64, device=device), cu, slots, torch.zeros_like(slots),
+                        torch.arange(L, dtype=torch.int64, device=device).repeat(R),
+                        torch.arange(min(key.picks, R * L), dtype=torch.int64, device=device),
+                        self.runner.bank.block_table)
+        else:
+            s.fill_state([[0] * key.seq_len] * key.seqs, [-1] * key.seqs, self.runner.bank.block_table)

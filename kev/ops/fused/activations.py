@@ -1,0 +1,173 @@
+"""Fused activation kernels of the GPU passes: one read of each input, one write of each output.
+
+- `silu_mul(gate, up)`: the MLP's silu(gate) * up, gate and up column views of one fused
+  gate+up projection (read in place through their row stride).
+- `sigmoid_mul(x, gate)`: the attention output gate x * sigmoid(gate), gate a strided view.
+- `delta_gates(a, b, A_log, dt_bias)`: the DeltaNet gates, (g, beta) with g = -exp(A_log) *
+  softplus(a + dt_bias) in fp32 and beta = sigmoid(b) in b's dtype.
+
+The activations are the batch-invariant forms of `kev.invariant` (x / (1 + exp(-x)), ...), with the
+same rounding to the inputs' dtype after every step that the torch reference rounds (bf16 tensors
+there compute each op in fp32 and round its result). Division is IEEE (`div_rn`); exp is the GPU's.
+Blocks are fixed per shape (no autotune inside CUDA-graph capture).
+
+Reference: `kev.ops.fused.reference` (what `TorchOps` runs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """x rounded to DT and back to fp32 (a no-op for fp32)."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def silu_mul_fwd_kernel(
+    gate, up,  # [T, C] through row strides, unit stride over C
+    y,  # [T, C] contiguous out
+    T, C, stride_g_t, stride_u_t,
+    BT: tl.constexpr, BC: tl.constexpr,
+):
+    i_t, i_c = tl.program_id(0), tl.program_id(1)
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m = (o_t < T)[:, None] & (o_c < C)[None, :]
+    DT: tl.constexpr = y.dtype.element_ty
+    b_g = tl.load(gate + o_t[:, None] * stride_g_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BC]
+    b_u = tl.load(up + o_t[:, None] * stride_u_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)
+    b_d = _round(1.0 + _round(tl.exp(-b_g), DT), DT)
+    b_s = _round(tl.math.div_rn(b_g, b_d), DT)  # silu(gate) in gate's dtype
+    tl.store(y + o_t[:, None] * C + o_c[None, :], (b_s * b_u).to(DT), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def sigmoid_mul_fwd_kernel(
+    x,  # [T, H, D] through (stride_x_t, stride_x_h)
+    gate,  # [T, H, D] through (stride_g_t, stride_g_h)
+    y,  # [T, H, D] contiguous out
+    T, stride_x_t, stride_x_h, stride_g_t, stride_g_h,
+    H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    m = (o_t < T)[:, None] & (o_d < D)[None, :]
+    DT: tl.constexpr = y.dtype.element_ty
+    b_x = tl.load(x + o_t[:, None] * stride_x_t + i_h * stride_x_h + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(gate + o_t[:, None] * stride_g_t + i_h * stride_g_h + o_d[None, :], mask=m,
+                  other=0.0).to(tl.float32)
+    b_d = _round(1.0 + _round(tl.exp(-b_g), DT), DT)
+    b_s = _round(tl.math.div_rn(1.0, b_d), DT)  # sigmoid(gate) in gate's dtype
+    tl.store(y + (o_t[:, None] * H + i_h) * D + o_d[None, :], (b_x * b_s).to(DT), mask=m)
+
+
+@triton.jit(do_not_specialize=["T"])
+def delta_gates_fwd_kernel(
+    a, b,  # [T, HV] projections through row strides
+    A_log, dt_bias,  # [HV]
+    g,  # [T, HV] fp32 contiguous out: log decay
+    beta,  # [T, HV] contiguous out in b's dtype
+    T, stride_a_t, stride_b_t,
+    HV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    o_h = tl.arange(0, BH)
+    m_h = o_h < HV
+    m = (o_t < T)[:, None] & m_h[None, :]
+    DB: tl.constexpr = beta.dtype.element_ty
+    b_b = tl.load(b + o_t[:, None] * stride_b_t + o_h[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BH]
+    b_d = _round(1.0 + _round(tl.exp(-b_b), DB), DB)
+    tl.store(beta + o_t[:, None] * HV + o_h[None, :], tl.math.div_rn(1.0, b_d).to(DB), mask=m)
+
+    b_a = tl.load(a + o_t[:, None] * stride_a_t + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+    b_dt = tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_A = tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_x = b_a + b_dt[None, :]
+    # softplus: x above 20, else log1p(exp(x)); log1p(e) = log(u) * e / (u - 1) with u = 1 + e (exact as u -> 1)
+    b_e = tl.exp(tl.minimum(b_x, 20.0))
+    b_u = 1.0 + b_e
+    b_lp = tl.where(b_u == 1.0, b_e, tl.log(b_u) * tl.math.div_rn(b_e, tl.where(b_u == 1.0, 1.0, b_u - 1.0)))
+    b_sp = tl.where(b_x > 20.0, b_x, b_lp)
+    tl.store(g + o_t[:, None] * HV + o_h[None, :], -tl.exp(b_A)[None, :] * b_sp, mask=m)
+
+
+def _row_stride(name: str, t: torch.Tensor) -> int:
+    if t.ndim != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be [T, C] with unit stride over C, got {tuple(t.shape)} strides {t.stride()}")
+    return t.stride(0)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up.
+
+    gate, up: [T, C] same dtype, any row strides, unit stride over C (column views of one buffer are fine)
+    Returns [T, C] contiguous, gate's dtype.
+    """
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
+    sg, su = _row_stride("gate", gate), _row_stride("up", up)
+    T, C = gate.shape
+    y = torch.empty((T, C), dtype=gate.dtype, device=gate.device)
+    if T == 0 or C == 0:
+        return y
+    BT, BC = 4, 1024
+    silu_mul_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](gate, up, y, T, C, sg, su, BT=BT, BC=BC,
+                                                                    num_warps=4)
+    return y
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate).
+
+    x:    [T, H, D] (attention output), unit stride over D
+    gate: [T, H, D] same dtype (a strided view of the q projection is fine), unit stride over D
+    Returns [T, H, D] contiguous, x's dtype.
+    """
+    if x.ndim != 3 or gate.shape != x.shape or gate.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be [T, H, D] and gate {tuple(gate.shape)} "
+                         f"{gate.dtype} the same")
+    if x.stride(2) != 1 or gate.stride(2) != 1:
+        raise ValueError(f"x and gate need unit stride over D, got {x.stride()} {gate.stride()}")
+    T, H, D = x.shape
+    y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    BD = triton.next_power_of_2(D)
+    BT = max(1, 2048 // BD)
+    sigmoid_mul_fwd_kernel[(triton.cdiv(T, BT), H)](x, gate, y, T, x.stride(0), x.stride(1), gate.stride(0),
+                                                     gate.stride(1), H=H, D=D, BT=BT, BD=BD, num_warps=4)
+    return y
+
+
+def delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeltaNet gates.
+
+    a, b:    [T, HV] projections (strided column views are fine), unit stride over HV
+    A_log:   [HV]; dt_bias: [HV] (contiguous)
+    Returns (g [T, HV] fp32 = -exp(A_log) * softplus(a + dt_bias), beta [T, HV] = sigmoid(b) in b's dtype),
+    both contiguous.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must match")
+    sa, sb = _row_stride("a", a), _row_stride("b", b)
+    T, HV = a.shape
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (HV,) or t.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous [HV={HV}], got {tuple(t.shape)}")
+    g = torch.empty((T, HV), dtype=torch.float32, device=a.device)
+    beta = torch.empty((T, HV), dtype=b.dtype, device=b.device)
+    if T == 0 or HV == 0:
+        return g, beta
+    BH = triton.next_power_of_2(HV)
+    BT = max(1, 1024 // BH)
+    delta_gates_fwd_kernel[(triton.cdiv(T, BT),)](a, b, A_log, dt_bias, g, beta, T, sa, sb, HV=HV, BT=BT, BH=BH,
+                                                  num_warps=4)
+    return g, beta

@@ -1,0 +1,150 @@
+"""Static-shape passes for CUDA graphs: one bucket's index buffers, and the layouts that pad a
+real pass into them without changing any real sequence's result.
+
+A bucket (`GraphKey`) fixes R sequences of at most L tokens (R x L tokens in all) and a picks
+capacity. Every index tensor a pass reads (tokens, positions, cu_seqlens, slots, prefix lengths,
+block table, picks) is a slice of buffers allocated once here; the chunk lists the kernels need
+are static too and pinned into `TritonOps` (`pin`), so nothing is derived from a buffer that
+changes between replays and nothing syncs with the host.
+
+Two layouts (`PassKind`):
+- ROWS: row n sits at tokens [n L, n L + len_n) and is padded at its end to L tokens; rows
+  n >= N are whole padding rows that read nothing (slot -1, prefix 0). `cu_seqlens` is static
+  (n L). The kernels are causal, so tokens after a row's last real token do not change its real
+  tokens (the chunk-local solves and the attention tiles only ever combine a real row with later
+  rows through exact zeros); picks only read real positions; rows never write the bank.
+- STATE: documents are written to the bank, so none may be padded: pair n is document n
+  (tokens [n L, n L + len_n)) followed by its own padding sequence up to (n + 1) L that writes
+  nothing; pairs n >= D hold an empty document and a padding sequence. The chunk lists are
+  static supersets (every sequence counted at L tokens); a chunk past a sequence's end is a
+  no-op in every kernel (all its rows masked).
+
+Real results are bit-identical between a graph replay and an eager run of the same bucket (same
+kernels, same shapes, same autotune class). Against an eager pass of the unpadded batch, the
+token-mixing kernels agree exactly; the GEMMs and norms see another row count M and may pick
+other cuBLAS / reduction kernels (measured on the GPU: tests/test_graphs_gpu.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kev.ops.autotune import ShapeClass, classify
+from kev.ops.meta import PassMeta
+
+CHUNK = 64  # the conv / delta-rule chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
+
+
+class PassKind(enum.Enum):
+    ROWS = "rows"
+    STATE = "state"
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    kind: PassKind
+    seqs: int  # R: real sequences at most
+    seq_len: int  # L: tokens per sequence at most
+    picks: int = 0  # picks capacity (rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seqs * self.seq_len
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences in the padded pass (a document and its padding sequence are two)."""
+        return self.seqs if self.kind is PassKind.ROWS else 2 * self.seqs
+
+    @property
+    def shape_class(self) -> ShapeClass:
+        """The bucket's autotune class; a graph and its eager fallback both use it."""
+        return classify(self.seqs, self.num_tokens)
+
+
+def static_chunks(num_seqs: int, seq_len: int, block: int, device) -> torch.Tensor:
+    """[num_seqs * ceil(L / block), 2] (sequence, chunk) pairs: every sequence counted at L tokens."""
+    per = -(-seq_len // block)
+    n = torch.arange(num_seqs, dtype=torch.int64, device=device).repeat_interleave(per)
+    t = torch.arange(per, dtype=torch.int64, device=device).repeat(num_seqs)
+    return torch.stack([n, t], 1)
+
+
+class StaticPass:
+    """One bucket's buffers, its `PassMeta`, and the fills from a real pass."""
+
+    def __init__(self, key: GraphKey, table_width: int, attn_block: int, device):
+        self.key = key
+        N, T, L, P = key.num_slots, key.num_tokens, key.seq_len, key.picks
+        as_long = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(T, **as_long)
+        self.positions = torch.zeros(T, **as_long)
+        self.cu_seqlens = torch.arange(N + 1, **as_long) * L
+        self.read_slots = torch.full((N,), -1, **as_long)
+        self.write_slots = torch.full((N,), -1, **as_long)
+        self.prefix_lens = torch.zeros(N, **as_long)
+        self.block_table = torch.zeros((N, table_width), dtype=torch.int32, device=device)
+        self.picks = torch.zeros(P, **as_long)
+        self._arange = torch.arange(max(T, N) + 1, **as_long)
+        self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
+                             prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions)
+        self.chunks = static_chunks(N, L, CHUNK, device)
+        self.chunk_offsets = torch.arange(N + 1, **as_long) * -(-L // CHUNK)
+        self.attn_chunks = {attn_block: static_chunks(N, L, attn_block, device)}
+
+    def indices(self):
+        """The static `PassIndices` to pin into `TritonOps` for `self.meta`."""
+        from kev.ops.triton_ops import PassIndices
+
+        return PassIndices(chunks=self.chunks, chunk_offsets=self.chunk_offsets, attn_chunks=dict(self.attn_chunks))
+
+    def fill_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                  doc_lens: torch.Tensor, positions: torch.Tensor, picks: torch.Tensor,
+                  bank_table: torch.Tensor) -> int:
+        """Place a packed row batch (device tensors; every row <= L tokens, N <= R rows, P <= picks
+        capacity: the caller checked with host ints) into the ROWS layout, on the device, no sync.
+        Returns P. Padding tokens keep whatever valid ids and positions they held."""
+        key = self.key
+        assert key.kind is PassKind.ROWS
+        N, T, P, L = slots.shape[0], tokens.shape[0], picks.shape[0], key.seq_len
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        row = torch.repeat_interleave(self._arange[:N], lens, output_size=T)  # [T] row of each token
+        dst = row * L + (self._arange[:T] - cu_seqlens[row])  # [T] its place in the bucket
+        self.tokens.index_copy_(0, dst, tokens)
+        self.positions.index_copy_(0, dst, positions)
+        self.read_slots[:N].copy_(slots)
+        self.read_slots[N:].fill_(-1)
+        self.prefix_lens[:N].copy_(doc_lens)
+        self.prefix_lens[N:].fill_(0)
+        torch.index_select(bank_table, 0, slots.clamp(min=0), out=self.block_table[:N])
+        torch.index_select(dst, 0, picks, out=self.picks[:P])
+        self.picks[P:].fill_(0)  # token 0 of row 0: a real position, its output dropped
+        return P
+
+    def fill_state(self, documents: Sequence[Sequence[int]], slots: Sequence[int], bank_table: torch.Tensor) -> None:
+        """Place new documents (each <= L tokens, D <= R) into the STATE layout: one host-built
+        int64 block copied in, then the block-table rows of the written slots."""
+        key = self.key
+        assert key.kind is PassKind.STATE
+        N, L, T = key.num_slots, key.seq_len, key.num_tokens
+        tokens, positions = [0] * T, [0] * T
+        cu, write = [0], [-1] * N
+        for n in range(key.seqs):
+            doc = documents[n] if n < len(documents) else ()
+            tokens[n * L : n * L + len(doc)] = doc
+            positions[n * L : (n + 1) * L] = [*range(len(doc)), *range(L - len(doc))]
+            cu += [n * L + len(doc), (n + 1) * L]
+            if n < len(documents):
+                write[2 * n] = slots[n]
+        host = torch.tensor(tokens + positions + cu + write, dtype=torch.int64)
+        dev = host.to(self.tokens.device)
+        self.tokens.copy_(dev[:T])
+        self.positions.copy_(dev[T : 2 * T])
+        self.cu_seqlens.copy_(dev[2 * T : 2 * T + N + 1])
+        self.write_slots.copy_(dev[2 * T + N + 1 :])
+        D = len(documents)
+        self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]

@@ -1,0 +1,196 @@
+"""CUDA-graph buckets on CPU: the padded layouts (kev.static_pass) and the capture policy (kev.graphs).
+
+The layouts run through the torch reference ops: a ROWS bucket (rows padded at their end, padding
+rows reading nothing) gives the real rows' answers of the unpadded pass (fp32; the torch chunked
+reference multiplies chunks of another length, so not bit for bit here: the GPU test checks the
+Triton kernels bitwise); a STATE bucket (each document followed by its own padding sequence)
+writes bit-identical bank states. The static chunk lists agree with fla's. The policy runs with
+`TritonOps`' bookkeeping over the torch maths and a stand-in for graph capture.
+"""
+
+import pytest
+import torch
+from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
+from kev.bank.bank import Bank
+from kev.graphs import Buckets, CapturePolicy, GraphedPasses
+from kev.ops import get_ops
+from kev.ops.torch_ops import TorchOps
+from kev.ops.triton_ops import TritonOps
+from kev.runner import RowBatch, Runner
+from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, static_chunks
+from random_models import random_model, tiny_config
+
+
+def rel_err(ref, out):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+class CpuTritonOps(TritonOps):
+    """TritonOps' pinned-index bookkeeping with the torch reference maths (runs on CPU)."""
+
+
+for _name, _op in vars(TorchOps).items():  # every op the model calls: the torch reference
+    if callable(_op) and not _name.startswith("_"):
+        setattr(CpuTritonOps, _name, _op)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config(hv_per_h=2), seed=3)
+
+
+def stored(model, ops, doc_lens=(40, 130, 7)):
+    bank = Bank.allocate(model.cfg, num_slots=8, num_blocks=128, block_size=16)
+    runner = Runner(model, bank, ops)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in doc_lens]
+    handles = [bank.alloc(len(d)) for d in docs]
+    runner.state_pass(docs, handles)
+    return runner, docs, handles
+
+
+def row_batch(docs, handles, lens=(12, 30, 5, 70, 1), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
+    owner = [i % len(docs) for i in range(len(rows))]
+    return RowBatch.build(rows, [handles[o] for o in owner], [len(docs[o]) for o in owner],
+                          [[len(r) - 1, 0] for r in rows])
+
+
+@pytest.mark.parametrize("seq_len", [70, 128], ids=lambda L: f"L={L}")
+def test_row_layout_gives_the_real_rows(model, seq_len):
+    runner, docs, handles = stored(model, get_ops("torch"))
+    batch = row_batch(docs, handles)
+    ref = runner.row_pass(batch)
+    before = [t.clone() for t in runner.bank.pools.tensors()]
+    sp = StaticPass(GraphKey(PassKind.ROWS, 8, seq_len, 16), runner.bank.block_table.shape[1], 16, "cpu")
+    P = sp.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions, batch.picks,
+                     runner.bank.block_table)
+    with torch.no_grad():
+        out = model(sp.tokens, sp.meta, runner.bank.pools, runner.ops, picks=sp.picks)[:P]
+    assert P == batch.picks.shape[0] and rel_err(ref, out) <= 1e-5
+    assert sp.read_slots[5:].eq(-1).all() and sp.write_slots.eq(-1).all() and sp.prefix_lens[5:].eq(0).all()
+    for b, a in zip(before, runner.bank.pools.tensors()):
+        assert torch.equal(b, a), "a padded row pass changed the bank"
+
+
+def test_state_layout_writes_identical_states(model):
+    """Two documents in a 2 x 64 bucket (each followed by a padding sequence): bit-identical states."""
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (48, 30)]
+    banks = []
+    for padded in (False, True):
+        bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
+        bank.alloc(5)  # the documents land in other slots than 0
+        handles = [bank.alloc(len(d)) for d in docs]
+        if padded:
+            sp = StaticPass(GraphKey(PassKind.STATE, 2, 64), bank.block_table.shape[1], 16, "cpu")
+            sp.fill_state(docs, [h.slot for h in handles], bank.block_table)
+            assert sp.cu_seqlens.tolist() == [0, 48, 64, 94, 128]
+            with torch.no_grad():
+                model(sp.tokens, sp.meta, bank.pools, get_ops("torch"), picks=sp.picks)
+        else:
+            Runner(model, bank, get_ops("torch")).state_pass(docs, handles)
+        banks.append(bank)
+    for a, b in zip(banks[0].pools.tensors(), banks[1].pools.tensors()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seqs,seq_len", [(1, 16), (3, 64), (5, 130)], ids=str)
+def test_static_chunks_agree_with_fla(seqs, seq_len):
+    cu = torch.arange(seqs + 1) * seq_len  # the ROWS layout: exact
+    assert torch.equal(static_chunks(seqs, seq_len, CHUNK, "cpu"), prepare_chunk_indices(cu, CHUNK))
+    assert torch.equal(static_chunks(seqs, seq_len, 16, "cpu"), prepare_chunk_indices(cu, 16))
+    # the STATE layout: real chunks sit where chunk_offsets (every sequence at L) puts them
+    lens = [seq_len if i % 3 == 0 else max(1, seq_len // (i + 1)) for i in range(seqs)]
+    real = prepare_chunk_indices(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), CHUNK)
+    superset = static_chunks(seqs, seq_len, CHUNK, "cpu")
+    per = -(-seq_len // CHUNK)
+    for n, t in real.tolist():
+        assert superset[n * per + t].tolist() == [n, t]
+    assert prepare_chunk_offsets(cu, CHUNK).tolist() == [n * per for n in range(seqs + 1)]
+
+
+def test_bucket_keys():
+    b = Buckets()
+    assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 8)
+    assert b.row_key(5, 33, 40) == GraphKey(PassKind.ROWS, 6, 48, 64)
+    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 128, 32, 128)
+    assert b.row_key(129, 32, 1) is None and b.row_key(4, 129, 1) is None and b.row_key(4, 8, 2000) is None
+    assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 64)
+    assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2304)
+    assert b.state_key(5, 64) is None and b.state_key(1, 4097) is None
+    assert GraphKey(PassKind.STATE, 1, 2304).num_slots == 2 and GraphKey(PassKind.ROWS, 6, 32).num_slots == 6
+
+
+class FakeGraph:
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays, self.was_reset = fn, out, 0, False
+
+    def replay(self):
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+    def reset(self):
+        self.was_reset = True
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    def record(self, entry):
+        out = self._forward(entry)
+        return FakeGraph(lambda: self._forward(entry), out), out
+
+    monkeypatch.setattr(GraphedPasses, "_record", record)
+
+
+def test_when_idle_policy_queues_then_captures(model, fake_capture):
+    runner, docs, handles = stored(model, CpuTritonOps())
+    graphed = GraphedPasses(runner, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
+    batch = row_batch(docs, handles, lens=(12, 30, 5))
+    ref = runner.row_pass(batch)
+    first = graphed.row_pass(batch)  # eager (bucketed), not queued yet
+    assert graphed.pending == [] and graphed.stats.eager_bucketed == 1
+    second = graphed.row_pass(batch)  # second use: queued, still eager: a busy server never captures
+    key = GraphKey(PassKind.ROWS, 4, 32, 8)
+    assert graphed.pending == [key] and graphed.graphs() == [] and torch.equal(first, second)
+    assert graphed.capture_pending() == 1 and graphed.graphs() == [key] and graphed.pending == []
+    third = graphed.row_pass(row_batch(docs, handles, lens=(12, 30, 5)))
+    assert graphed.stats.replays == 1 and torch.equal(first, third)
+    assert rel_err(ref, first) <= 1e-5
+
+
+def test_first_use_policy_lru_and_fallbacks(model, fake_capture):
+    runner, docs, handles = stored(model, CpuTritonOps())
+    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE, max_graphs=2)
+    for lens in [(3, 4), (20,), (3, 40, 2)]:  # buckets (2, 16), (1, 32), (4, 48)
+        b = row_batch(docs, handles, lens=lens)
+        assert rel_err(runner.row_pass(b), graphed.row_pass(b)) <= 1e-5
+    assert graphed.stats.captures == 3 and graphed.stats.evictions == 1
+    assert graphed.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 4, 48, 8)]
+    too_long = row_batch(docs, handles, lens=(200,))
+    assert torch.equal(graphed.row_pass(too_long), runner.row_pass(too_long)) and graphed.stats.unbucketed == 1
+    no_lens = RowBatch(*[getattr(too_long, f) for f in ("tokens", "cu_seqlens", "slots", "doc_lens", "picks",
+                                                          "positions")])
+    graphed.row_pass(no_lens)
+    assert graphed.stats.unbucketed == 2
+
+
+def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture):
+    g = torch.Generator().manual_seed(9)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (50, 9)]
+    banks = []
+    for graphed in (False, True):
+        bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
+        runner = Runner(model, bank, CpuTritonOps())
+        handles = [bank.alloc(len(d)) for d in docs]
+        if graphed:
+            passes = GraphedPasses(runner, Buckets(docs=(2,), doc_tokens=(64,)), policy=CapturePolicy.ON_FIRST_USE)
+            passes.state_pass(docs, handles)
+            assert passes.stats.captures == 1 and passes.stats.replays == 1
+        else:
+            runner.state_pass(docs, handles)
+        banks.append(bank)
+    for a, b in zip(banks[0].pools.tensors(), banks[1].pools.tensors()):
+        assert torch.equal(a, b)

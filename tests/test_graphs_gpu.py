@@ -1,0 +1,260 @@
+"""CUDA graphs and shape-class autotune on the GPU (H200; skipped on CPU by the `gpu` marker).
+
+A small model (width 512, 4 layers) with Kev-4B's heads (H 16, HV 32, K = V = 128; Hq 16, Hkv 4,
+head_dim 256), random bf16 weights, documents of 5..1,100 tokens in the bank, every class warmed first.
+- the token-mixing kernels give bit-identical real outputs and stored states when a pass is padded
+  into a bucket (rows padded at their end; documents followed by padding sequences, with empty
+  sequences and no-op chunks);
+- graph replays equal eager runs of the same bucket bit for bit, with new rows, slots, prefix
+  lengths and row lengths between replays; an exactly fitting batch equals `Runner.row_pass` bit
+  for bit; padded batches are reported against it (other GEMM row counts);
+- graphed short state passes store what the eager pass stores;
+- every autotuner a pass launches is a hot (class-cached) one; capture after warm-up never tunes.
+Autotuning here benchmarks with short reps (the configs only have to be consistent, not best).
+"""
+
+import functools
+
+import pytest
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+
+from kernel_support import make_pools, packed
+from kev.bank.bank import Bank
+from kev.graphs import Buckets, CapturePolicy, GraphedPasses
+from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners, warm_up
+from kev.ops.meta import PassMeta
+from kev.ops.triton_ops import TritonOps
+from kev.runner import RowBatch, Runner
+from kev.static_pass import GraphKey, PassKind, StaticPass
+from random_models import random_model, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+DOC_LENS = (5, 64, 129, 300, 1100)
+WARM = (ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID, ShapeClass.ROWS_WIDE, ShapeClass.DOCS_FEW)
+
+
+def rel_err(ref, out):
+    ref, out = ref.double(), out.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def small_config():
+    """Kev-4B's head counts and dims (the kernels compile once for these tests and the benches), small width."""
+    return tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def hot():
+    """The hot autotuners with fast benchmarks; their globals are put back afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        tuners = hot_autotuners()
+        for at in tuners.values():
+            mp.setattr(at, "cache", at.cache)
+            mp.setattr(at, "cache_results", at.cache_results)
+            mp.setitem(at.__dict__, "do_bench", functools.partial(triton.testing.do_bench, warmup=1, rep=5))
+        yield tuners
+
+
+@pytest.fixture(scope="module")
+def setup(hot):
+    cfg = small_config()
+    model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).cuda()
+    bank = Bank.allocate(cfg, num_slots=16, num_blocks=16 * 36, block_size=64, dtype=torch.bfloat16,
+                         device="cuda", max_doc_tokens=2304)
+    tuner = ClassTuner(hot)
+    runner = Runner(model, bank, TritonOps(), tuner=tuner)
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in DOC_LENS]
+    handles = [bank.alloc(n) for n in DOC_LENS]
+    runner.state_pass(docs, handles)
+    warm_up(runner, WARM, row_slot=handles[3].slot, row_prefix=DOC_LENS[3])
+    return dict(cfg=cfg, model=model, bank=bank, tuner=tuner, runner=runner, handles=handles)
+
+
+def make_batch(setup, n_rows, seed, row_len=32):
+    """Rows of 1..row_len tokens (one of exactly row_len: a fixed bucket) over random documents,
+    one pick per row (its last token)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, row_len + 1, (n_rows,), generator=g).tolist()
+    lens[int(torch.randint(0, n_rows, (1,), generator=g))] = row_len
+    rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
+    owners = torch.randint(0, len(DOC_LENS), (n_rows,), generator=g).tolist()
+    return RowBatch.build(rows, [setup["handles"][o] for o in owners], [DOC_LENS[o] for o in owners],
+                          [[n - 1] for n in lens], device="cuda")
+
+
+# ---- the token-mixing kernels under padding ----------------------------------------------------
+
+def layer_inputs(T, C, H, HV, K, V, Hq, Hkv, D, g):
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(x=r(T, C).bfloat16().cuda(), q=r(T, H, K).bfloat16().cuda(), k=r(T, H, K).bfloat16().cuda(),
+                v=r(T, HV, V).bfloat16().cuda(), g=(-torch.rand(T, HV, generator=g)).cuda(),
+                beta=torch.rand(T, HV, generator=g).bfloat16().cuda(), aq=r(T, Hq, D).bfloat16().cuda(),
+                ak=r(T, Hkv, D).bfloat16().cuda(), av=r(T, Hkv, D).bfloat16().cuda())
+
+
+def run_ops(ops, inp, meta, pools, weight):
+    conv = ops.causal_conv(inp["x"], weight, meta, pools.conv[0])
+    o = ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], meta, pools.recurrent[0])
+    a = ops.attention(inp["aq"], inp["ak"], inp["av"], meta, pools.keys[0], pools.values[0])
+    return conv, o, a
+
+
+@pytest.mark.parametrize("kind,lens,L,cap", [
+    (PassKind.ROWS, [1, 17, 33, 64], 64, 6), (PassKind.ROWS, [65, 100, 3], 128, 4),
+    (PassKind.STATE, [48, 30], 64, 4), (PassKind.STATE, [1100, 64, 700], 1536, 4),
+], ids=["rows-1chunk", "rows-2chunks", "state-short", "state-long"])
+def test_padding_is_exact_in_the_token_mixing_kernels(setup, kind, lens, L, cap):
+    cfg = setup["cfg"]
+    H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    C, Hq, Hkv, D = cfg.conv_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g = torch.Generator().manual_seed(len(lens) * L)
+    N, key = len(lens), GraphKey(kind, cap, L, 8)
+    real = layer_inputs(sum(lens), C, H, HV, K, V, Hq, Hkv, D, g)
+    padded = layer_inputs(key.num_tokens, C, H, HV, K, V, Hq, Hkv, D, g)  # random padding everywhere
+    dst = torch.tensor([n * L + t for n, m in enumerate(lens) for t in range(m)], device="cuda")
+    for name in real:
+        padded[name][dst] = real[name]
+    weight = (torch.randn(C, cfg.conv_kernel, generator=g) * 0.5).bfloat16().cuda()
+    pools_a, table = make_pools(cfg, 8, 2304, 64, torch.bfloat16, "cuda")
+    for t in pools_a.tensors():
+        t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    pools_b, _ = make_pools(cfg, 8, 2304, 64, torch.bfloat16, "cuda")
+    for a, b in zip(pools_a.tensors(), pools_b.tensors()):
+        b.copy_(a)
+    as_long = dict(dtype=torch.int64, device="cuda")
+    cu = packed(lens, "cuda")
+    if kind is PassKind.ROWS:
+        read, write = torch.tensor([3, 0, 3, 6][:N], **as_long), torch.full((N,), -1, **as_long)
+        prefix = torch.tensor([300, 5, 1100, 64][:N], **as_long)
+    else:
+        read, write, prefix = torch.full((N,), -1, **as_long), torch.tensor([1, 2, 4][:N], **as_long), \
+            torch.zeros(N, **as_long)
+    meta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=write, prefix_lens=prefix,
+                    block_table=table[read.clamp(min=0) if kind is PassKind.ROWS else write])
+    ops = TritonOps()
+    sp = StaticPass(key, table.shape[1], 16, "cuda")
+    if kind is PassKind.ROWS:
+        zeros = torch.zeros(sum(lens), **as_long)
+        sp.fill_rows(zeros, cu, read, prefix, zeros, torch.zeros(0, **as_long), table)
+    else:
+        sp.fill_state([[0] * m for m in lens], write.tolist(), table)
+    ops.pin(sp.meta, sp.indices())
+    with setup["tuner"].use(key.shape_class):  # one class: the same configs for both
+        out_a = run_ops(ops, real, meta, pools_a, weight)
+        out_b = run_ops(ops, padded, sp.meta, pools_b, weight)
+    for name, a, b in zip(("conv", "delta rule", "attention"), out_a, out_b):
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a, b[dst]), f"{name}: padded differs, max {(a.float() - b[dst].float()).abs().max()}"
+    for a, b in zip(pools_a.tensors(), pools_b.tensors()):
+        assert torch.equal(a, b), "padding changed a stored state"
+
+
+# ---- whole passes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("row_counts", [(3, 4, 3), (17, 23, 20), (96, 90, 93)], ids=lambda r: f"rows={r[0]}")
+def test_row_graph_replays_equal_eager_bitwise(setup, row_counts):
+    runner, bank = setup["runner"], setup["bank"]
+    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE)
+    eager = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)  # the same buckets, never captured
+    before = [t.clone() for t in bank.pools.tensors()]
+    report = []
+    for seed, n_rows in enumerate(row_counts):  # new rows, slots, prefix lengths, row lengths and count: one graph
+        batch = make_batch(setup, n_rows, 100 * row_counts[0] + seed)
+        a, b = graphed.row_pass(batch), eager.row_pass(batch)
+        assert torch.isfinite(a.float()).all()
+        assert torch.equal(a, b), f"replay != eager, max {(a.float() - b.float()).abs().max()}"
+        plain = runner.row_pass(batch)
+        report.append((torch.equal(a, plain), rel_err(plain, a)))
+        assert rel_err(plain, a) <= 2e-2
+    assert graphed.stats.captures == 1 and graphed.stats.replays == 3 and eager.stats.eager_bucketed == 3
+    print(f"rows={row_counts}: padded bucket vs unpadded Runner.row_pass (bitwise, rel err):", report)
+    for b, a in zip(before, bank.pools.tensors()):
+        assert torch.equal(b, a), "a graphed row pass changed the bank"
+
+
+@pytest.mark.parametrize("n_rows,row_len", [(8, 32), (64, 64)], ids=str)  # picks = 2 x rows: a picks bucket
+def test_exact_fit_equals_runner_bitwise(setup, n_rows, row_len):
+    runner = setup["runner"]
+    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE)
+    g = torch.Generator().manual_seed(n_rows)
+    rows = [torch.randint(0, 300, (row_len,), generator=g).tolist() for _ in range(n_rows)]
+    owners = [i % len(DOC_LENS) for i in range(n_rows)]
+    batch = RowBatch.build(rows, [setup["handles"][o] for o in owners], [DOC_LENS[o] for o in owners],
+                           [[row_len - 1, 3]] * n_rows, device="cuda")
+    a = graphed.row_pass(batch)
+    assert graphed.stats.replays == 1
+    assert torch.equal(a, runner.row_pass(batch))
+
+
+def slot_states(bank, handle, n_tokens):
+    pages = bank.block_table[handle.slot, : -(-n_tokens // 64)].long()
+    return ([p[handle.slot] for p in bank.pools.recurrent] + [p[handle.slot] for p in bank.pools.conv]
+            + [p[pages].flatten(0, 1)[:n_tokens] for p in bank.pools.keys + bank.pools.values])
+
+
+@pytest.mark.parametrize("lens", [[48], [1100, 700]], ids=str)
+def test_graphed_state_pass_stores_what_eager_stores(setup, lens):
+    runner, bank = setup["runner"], setup["bank"]
+    g = torch.Generator().manual_seed(sum(lens))
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
+    graphed = GraphedPasses(runner, Buckets(), policy=CapturePolicy.ON_FIRST_USE)
+    eager = GraphedPasses(runner, Buckets(), policy=CapturePolicy.WARMUP_ONLY)
+    results = []
+    for passes in (graphed, eager, None):
+        handles = [bank.alloc(n) for n in lens]
+        (passes or runner).state_pass(docs, handles)
+        results.append([s.clone() for h, n in zip(handles, lens) for s in slot_states(bank, h, n)])
+        for h in handles:
+            bank.free(h)
+    assert graphed.stats.captures == 1 and graphed.stats.replays == 1
+    for a, b, c in zip(*results):
+        assert torch.equal(a, b), "graphed state pass != eager bucketed pass"
+        assert rel_err(c, a) <= 2e-2
+    print(f"state pass {lens}: bucketed == Runner.state_pass bitwise:",
+          all(torch.equal(a, c) for a, _, c in zip(*results)))
+
+
+def test_every_launched_autotuner_is_class_cached(setup, monkeypatch):
+    runner, hot = setup["runner"], setup["tuner"].autotuners
+    launched = set()
+    original = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        launched.add(id(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", run)
+    runner.row_pass(make_batch(setup, 5, 7))
+    h = setup["bank"].alloc(200)
+    runner.state_pass([[1] * 200], [h])
+    setup["bank"].free(h)
+    torch.cuda.synchronize()
+    names = {id(at): name for name, at in hot.items()}
+    assert launched <= set(names), "a pass launched an autotuner the class caches do not cover"
+    assert {names[i] for i in launched} == set(hot), "a hot autotuner never ran"
+
+
+def test_capture_after_warm_up_never_autotunes(setup, monkeypatch):
+    tuner = setup["tuner"]
+    assert all(tuner.tuned(cls) for cls in WARM)
+    sizes = {cls: [len(c) for c in tuner.caches(cls).values()] for cls in WARM}
+
+    def no_bench(self, *args, **kwargs):
+        raise AssertionError(f"{self.base_fn.__name__} autotuned after warm-up")
+
+    monkeypatch.setattr(Autotuner, "_bench", no_bench)
+    graphed = GraphedPasses(setup["runner"], policy=CapturePolicy.WARMUP_ONLY)
+    keys = [GraphKey(PassKind.ROWS, 6, 32, 16), GraphKey(PassKind.ROWS, 24, 48, 64),
+            GraphKey(PassKind.ROWS, 96, 64, 128), GraphKey(PassKind.STATE, 1, 2304)]
+    graphed.capture(keys)
+    assert graphed.graphs() == keys
+    assert {cls: [len(c) for c in tuner.caches(cls).values()] for cls in WARM} == sizes
+    out = graphed.row_pass(make_batch(setup, 90, 3, row_len=64))
+    assert graphed.stats.replays == 1 and torch.isfinite(out.float()).all()
