@@ -48,7 +48,9 @@ class LoadedModel:
         model.load_state_dict(ckpt.weights, strict=True, assign=True)
         model = model.to(device).eval()
         if device == "cpu":
-            model.set_batch_invariant()
+            model.set_batch_invariant()  # CPU promise: answers bit-identical whatever shares a pass
+        else:
+            model.fuse_projections()  # GPU: one GEMM per layer's input projections
         delimiters = Delimiters(**ckpt.meta.delimiters) if ckpt.meta.delimiters else Delimiters()
         builder = PromptBuilder(Tokenizer.from_file(str(ckpt.tokenizer_path)), delimiters, limits)
         head = load_head(ckpt.head_path, ckpt.config.hidden_size, device=device)
