@@ -24,7 +24,7 @@ import torch
 
 from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
-from kev.ops.fused import reference
+from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
 
@@ -32,17 +32,10 @@ from kev.runner import RowBatch, Runner
 DEVICE = "cuda"
 
 
-class TorchElementwiseOps(TritonOps):
+class TorchElementwiseOps(ReferenceElementwise, TritonOps):
     """The same token-mixing kernels with the torch norms and activations: the path before fusion."""
 
     name = "triton+torch-elementwise"
-    rms_norm = staticmethod(reference.rms_norm)
-    add_rms_norm = staticmethod(reference.add_rms_norm)
-    rms_norm_rope = staticmethod(reference.rms_norm_rope)
-    gated_rms_norm = staticmethod(reference.gated_rms_norm)
-    silu_mul = staticmethod(reference.silu_mul)
-    sigmoid_mul = staticmethod(reference.sigmoid_mul)
-    delta_gates = staticmethod(reference.delta_gates)
 
 
 def rel_err(ref, out):

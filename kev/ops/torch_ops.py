@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
-from kev.ops.fused import reference
+from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.meta import PassMeta
 
 QUERY_BLOCK = 256
@@ -20,17 +20,10 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class TorchOps:
-    name = "torch"
+class TorchOps(ReferenceElementwise):
+    """Norms and activations: exactly the reference maths (kev.invariant activations)."""
 
-    # The elementwise steps: exactly the reference maths (kev.invariant activations).
-    rms_norm = staticmethod(reference.rms_norm)
-    add_rms_norm = staticmethod(reference.add_rms_norm)
-    rms_norm_rope = staticmethod(reference.rms_norm_rope)
-    gated_rms_norm = staticmethod(reference.gated_rms_norm)
-    silu_mul = staticmethod(reference.silu_mul)
-    sigmoid_mul = staticmethod(reference.sigmoid_mul)
-    delta_gates = staticmethod(reference.delta_gates)
+    name = "torch"
 
     def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
         W = weight.shape[1]

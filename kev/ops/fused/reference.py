@@ -65,3 +65,15 @@ def delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: 
     beta = sigmoid(b)
     g = -A_log.float().exp() * softplus(a.float() + dt_bias)  # fp32 always
     return g, beta
+
+
+class ReferenceElementwise:
+    """Mixin: an ops backend's norms and activations as the reference maths above."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rms_norm_rope = staticmethod(rms_norm_rope)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+    silu_mul = staticmethod(silu_mul)
+    sigmoid_mul = staticmethod(sigmoid_mul)
+    delta_gates = staticmethod(delta_gates)
