@@ -15,6 +15,7 @@ from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 from kev.bank.bank import Bank
 from kev.graphs import Buckets, CapturePolicy, GraphedPasses
 from kev.ops import get_ops
+from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
@@ -26,7 +27,7 @@ def rel_err(ref, out):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-class CpuTritonOps(TritonOps):
+class CpuTritonOps(ReferenceElementwise, TritonOps):
     """TritonOps' pinned-index bookkeeping with the torch reference maths (runs on CPU)."""
 
 
