@@ -130,7 +130,6 @@ def test_checkpoint_shape_and_size():
     assert tokenizer["model"]["vocab"] == json.loads(build_tokenizer().to_str())["model"]["vocab"]
 
 
-@pytest.mark.demo_accuracy
 def test_held_out_accuracy_through_the_row_path(engine):
     report = evaluate(questions=HELD_OUT_QUESTIONS, seed=HELD_OUT_SEED, engine=engine)
     print(format_report(report))
@@ -142,7 +141,30 @@ def test_held_out_accuracy_through_the_row_path(engine):
     assert engine.bank.stats().slots_used > 0
 
 
-@pytest.mark.demo_accuracy
+def test_held_out_accuracy_through_the_grpc_stack(engine):
+    """The same held-out set through Redis + bank + scorer processes: the same answers bit for bit."""
+    from kev.client import KevClient
+    from kev.demo.evaluate import stack_scorer
+    from kev.stack import Stack
+
+    seen = []
+
+    def recording(score_many):
+        def wrapped(requests):
+            responses = score_many(requests)
+            seen.extend(zip(requests, responses, strict=True))
+            return responses
+        return wrapped
+
+    with Stack(DEFAULT_CHECKPOINT) as stack, KevClient(stack.scorer_addr, DEFAULT_CHECKPOINT) as client:
+        report = evaluate(questions=HELD_OUT_QUESTIONS, seed=HELD_OUT_SEED,
+                          score_many=recording(stack_scorer(client)))
+    print(format_report(report))
+    assert report.total >= 500 and report.accuracy >= 0.95, format_report(report)
+    for request, response in seen[::7]:
+        assert response.answers == engine.score(request).answers
+
+
 def test_examples_give_the_answers_a_reader_gives(engine):
     responses = [engine.score(ex.request) for ex in EXAMPLES]
     print(format_all(EXAMPLES, responses))
@@ -150,7 +172,6 @@ def test_examples_give_the_answers_a_reader_gives(engine):
         assert {name: answer_label(a) for name, a in response.answers.items()} == ex.expected, ex.title
 
 
-@pytest.mark.demo_accuracy
 def test_demo_main_prints_the_answers():
     out = subprocess.run([sys.executable, "-m", "kev.demo"], cwd=REPO, capture_output=True, text=True,
                          timeout=300, check=True).stdout
@@ -160,7 +181,8 @@ def test_demo_main_prints_the_answers():
             assert f"{name}" in out and label in out
 
 
-@pytest.mark.demo_accuracy
+@pytest.mark.slow
+@pytest.mark.demo_accuracy  # ~12 min on 2 cores: out of the default run (pyproject addopts)
 def test_retraining_reproduces_the_accuracy(tmp_path):
     """The real training script from scratch (CPU, 2 threads, fixed seed), then the serving path."""
     start = time.perf_counter()

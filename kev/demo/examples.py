@@ -13,7 +13,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kev.api import Answer, ChoiceAnswer, NoulAnswer, Question, ScoreAnswer, ScoreRequest
+from kev.api import Answer, ChoiceAnswer, NoulAnswer, Question, ScoreRequest
 from kev.prompts import render_document
 
 TEAMS = {"billing": "payments , invoices and charges", "technical": "bugs , errors and crashes",

@@ -5,6 +5,11 @@ the prompt builder renders), one question about it and the gold option index in 
 option order (noul: 0 = no, 1 = yes; choice: the position in `question.options`; score: the
 level). Consecutive examples share a document (`questions_per_doc` of them, one of each type in
 turn), so `as_requests` can send them as System One requests with several questions each.
+`generate_documents(n, seed)` (training) asks every question a document's domain has.
+
+Each example also carries its evidence: the token spans of the document that state the answer
+(the whole sentence, or the words `domains` marks as deciding). Training uses them to teach the
+model where to look; serving never sees them.
 
 A document is 20-400 tokens: the sentences that decide its answers (in `kev.demo.domains`), the
 near-miss distractors of facts stated the other way, and fillers that bear on no question, in

@@ -90,8 +90,9 @@ def _layout(meta: PassMeta, device) -> _Layout:
             raise ValueError(f"sequence {n}: a row must read the slot a document of the same pass writes "
                              f"(read {read}, write {write}); SweepTrainOps never touches the bank")
         d = doc_of_slot[read]
-        if prefix != doc_spans[d][1] - doc_spans[d][0]:
-            raise ValueError(f"sequence {n}: prefix {prefix} != its document's length {doc_spans[d][1] - doc_spans[d][0]}")
+        doc_len = doc_spans[d][1] - doc_spans[d][0]
+        if prefix != doc_len:
+            raise ValueError(f"sequence {n}: prefix {prefix} != its document's length {doc_len}")
         row_spans.append((s, e))
         row_doc.append(d)
     if not row_spans:
