@@ -6,8 +6,9 @@
     pending[doc_key]: a job per distinct document; concurrent Acquires of one document join it
           |
     worker thread: drains the queue (waits up to max_wait for more), allocates a slot per new
-    document (evicting LRU unpinned entries when full), runs ONE Runner.state_pass for the batch,
+    document (evicting LRU unpinned entries when full), runs ONE state pass for the batch,
     then registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
+    Idle (nothing queued), it captures one queued CUDA graph at a time (kev/passes.py; CUDA only).
 
 One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
 recovery after a Redis restart), so no two of those interleave. `live` (doc_key -> handle) is
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from kev.bank.bank import Bank, BankFull, BankHandle
 from kev.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
 from kev.doc_key import document_key
-from kev.runner import Runner
+from kev.passes import ServedPasses
 
 from bank_service.jobs import Acquired, AcquireFailed, Job, LiveEntry, Reason, Waiter
 from bank_service.metrics import BankMetrics
@@ -35,10 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class Acquirer:
-    def __init__(self, runner: Runner, bank: Bank, directory: Directory, metrics: BankMetrics, *,
+    def __init__(self, passes: ServedPasses, bank: Bank, directory: Directory, metrics: BankMetrics, *,
                  lease_s: float, max_wait_s: float, max_pass_tokens: int, max_pass_documents: int,
                  epoch_check_s: float):
-        self.runner, self.bank, self.directory, self.metrics = runner, bank, directory, metrics
+        self.passes, self.bank, self.directory, self.metrics = passes, bank, directory, metrics
         self.model_id = directory.model_id
         self.lease_s = lease_s
         self.max_wait_s = max_wait_s
@@ -158,7 +159,7 @@ class Acquirer:
     def _run(self) -> None:
         while True:
             with self._cv:
-                if not (self._queue or self._stopping or self._reconcile_due):
+                if not (self._queue or self._stopping or self._reconcile_due or self.passes.idle_work):
                     self._cv.wait(self.epoch_check_s)
                 if self._stopping:
                     return
@@ -166,6 +167,8 @@ class Acquirer:
                 reconcile, self._reconcile_due = self._reconcile_due, False
             try:
                 self._process(batch, reconcile)
+                if not batch:  # idle: nothing waits behind a capture
+                    self.passes.capture_when_idle()
             except Exception as e:  # noqa: BLE001 - the worker must survive; its jobs learn why
                 log.exception("state-pass worker failed")
                 for job in batch:
@@ -219,7 +222,7 @@ class Acquirer:
             return
         start = time.perf_counter()
         try:
-            self.runner.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
+            self.passes.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
         except Exception as e:
             log.exception("state pass failed")
             for job, handle in passes:

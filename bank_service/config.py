@@ -1,7 +1,8 @@
 """The bank service's settings: one frozen object, built once at start-up and passed down.
 
 Environment (docs/settings.md): KEV_CHECKPOINT, KEV_ADAPTER, KEV_DEVICE, KEV_BANK_LISTEN,
-KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_LEASE_SECONDS.
+KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_LEASE_SECONDS, and the CUDA-graph
+settings KEV_GRAPH_DOCS and KEV_MAX_GRAPHS (their flags, --graph-docs and --max-graphs, override).
 Tuning knobs that deployments rarely change are command-line flags (`python -m bank_service
 --help`). Nothing else in the service reads the environment.
 """
@@ -15,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+
+from kev.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets
 
 
 class ConfigError(ValueError):
@@ -33,7 +36,9 @@ class BankConfig:
     lease_seconds: float = 30.0  # KEV_LEASE_SECONDS: default pin lease (and the post-restart protective pin)
     # Flags
     node: str = ""  # directory namespace of this bank; default: the host name
-    ops: str = "torch"  # kev.ops backend for state passes ("torch" | "triton"), chosen explicitly
+    ops: str = ""  # kev.ops backend for state passes ("torch" | "triton"); "": torch on CPU, triton on CUDA
+    graph_docs: str = DEFAULT_DOC_BUCKETS  # KEV_GRAPH_DOCS: state buckets (DxL) captured at start-up on CUDA
+    max_graphs: int = 16  # KEV_MAX_GRAPHS: CUDA graphs kept (LRU); 0: none
     block_size: int = 64  # tokens per paged K/V block
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)
@@ -56,8 +61,17 @@ class BankConfig:
             raise ConfigError(f"KEV_METRICS_PORT must be 0..65535, got {self.metrics_port}")
         if not 0 < self.lease_seconds <= self.max_lease_seconds:
             raise ConfigError(f"KEV_LEASE_SECONDS must be in (0, {self.max_lease_seconds}], got {self.lease_seconds}")
-        if self.ops not in ("torch", "triton"):
+        if self.ops not in ("", "torch", "triton"):
             raise ConfigError(f"--ops must be 'torch' or 'triton', got {self.ops!r}")
+        if self.max_graphs < 0:
+            raise ConfigError(f"KEV_MAX_GRAPHS must be >= 0, got {self.max_graphs}")
+        try:
+            docs = parse_doc_buckets(self.graph_docs)
+        except ValueError as e:
+            raise ConfigError(f"KEV_GRAPH_DOCS: {e}") from None
+        if self.max_graphs and len(docs) > self.max_graphs:
+            raise ConfigError(f"KEV_GRAPH_DOCS names {len(docs)} buckets, "
+                              f"more than KEV_MAX_GRAPHS={self.max_graphs}")
         if not self.node or any(c in self.node for c in "{}@"):
             raise ConfigError(f"--node must be non-empty without '{{', '}}' or '@', got {self.node!r}")
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens",
@@ -85,6 +99,8 @@ class BankConfig:
         d = cls.__dataclass_fields__
         p.add_argument("--node", default=socket.gethostname())
         p.add_argument("--ops", default=d["ops"].default, choices=("torch", "triton"))
+        p.add_argument("--graph-docs", default=env.get("KEV_GRAPH_DOCS", "") or d["graph_docs"].default)
+        p.add_argument("--max-graphs", default=env.get("KEV_MAX_GRAPHS", "") or str(d["max_graphs"].default))
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens", "max_pass_documents",
                      "grpc_workers", "torch_threads"):
             p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
@@ -92,6 +108,7 @@ class BankConfig:
             p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)
         p.add_argument("--shm-dir", type=Path, default=d["shm_dir"].default)
         flags = vars(p.parse_args(list(argv)))
+        flags["max_graphs"] = number("KEV_MAX_GRAPHS", flags["max_graphs"])
 
         adapter = env.get("KEV_ADAPTER", "")
         return cls(
@@ -106,6 +123,16 @@ class BankConfig:
             **flags,
         )
 
+    @property
+    def ops_backend(self) -> str:
+        """The kernels state passes run: `--ops`, else torch reference ops on CPU, indexed Triton on CUDA."""
+        return self.ops or ("torch" if self.device == "cpu" else "triton")
+
+    @property
+    def graph_plan(self) -> GraphPlan:
+        """What the state passes capture on CUDA (ignored on CPU)."""
+        return GraphPlan(rows=(), docs=parse_doc_buckets(self.graph_docs), max_graphs=self.max_graphs)
+
     def redacted(self) -> dict:
         """Every field for the start-up log, with the Redis password masked."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
@@ -113,4 +140,5 @@ class BankConfig:
         if parts.password:
             netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
             out["redis_url"] = urlunsplit(parts._replace(netloc=netloc))
+        out["ops_backend"] = self.ops_backend
         return out

@@ -25,8 +25,8 @@ from kev.bank.shared import SharedBank
 from kev.directory import Directory, DirectoryUnavailable, connect
 from kev.engine import LoadedModel
 from kev.ops import get_ops
+from kev.passes import PassBuilder, PassRole, ServedPasses
 from kev.prompts import Limits
-from kev.runner import Runner
 from kev.v1 import bank_pb2 as pb
 from kev.v1 import bank_pb2_grpc
 
@@ -173,9 +173,10 @@ class BankService:
             block_size=cfg.block_size, avg_doc_tokens=cfg.avg_doc_tokens, max_doc_tokens=cfg.max_document_tokens,
             shm_dir=cfg.shm_dir)
         bank = self.shared.bank
-        ops = get_ops(cfg.ops)
-        runner = Runner(loaded.model, bank, ops)
-        self._warm_up(runner)
+        ops = get_ops(cfg.ops_backend)
+        # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/passes.py); on CPU a Runner.
+        passes = PassBuilder(loaded.model, ops, PassRole.STATES, cfg.graph_plan).build(bank)
+        self._warm_up(passes, bank)
         st = bank.stats()
         log.info("model %s loaded on %s (%s, ops %s) in %.1f s; bank: %d slots, %d blocks of %d tokens, %d bytes, %s",
                  self.model_id, cfg.device, dtype, ops.name, time.perf_counter() - t0, st.slots_total,
@@ -183,7 +184,7 @@ class BankService:
 
         self.metrics = BankMetrics(bank.stats)
         self.directory = Directory(connect(cfg.redis_url), self.model_id, cfg.node)
-        self.acquirer = Acquirer(runner, bank, self.directory, self.metrics, lease_s=cfg.lease_seconds,
+        self.acquirer = Acquirer(passes, bank, self.directory, self.metrics, lease_s=cfg.lease_seconds,
                                  max_wait_s=cfg.max_wait_ms / 1000, max_pass_tokens=cfg.max_pass_tokens,
                                  max_pass_documents=cfg.max_pass_documents, epoch_check_s=cfg.epoch_check_s)
         while True:  # Redis may come up after the bank
@@ -200,12 +201,11 @@ class BankService:
         log.info("serving %s as node %s (metrics port %s)", SERVICE_NAME, cfg.node, cfg.metrics_port or "off")
         return True
 
-    def _warm_up(self, runner: Runner) -> None:
+    def _warm_up(self, passes: ServedPasses, bank) -> None:
         """One short state pass with the real dtypes, into a slot freed again at once."""
-        bank = runner.bank
         handle = bank.alloc(8)
         try:
-            runner.state_pass([[0] * 8], [handle])
+            passes.state_pass([[0] * 8], [handle])
         finally:
             bank.free(handle)
 

@@ -7,7 +7,11 @@ call to the GPU being done (row batch built and copied in, both passes, one sync
 Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
 `GraphedPasses.capture`). The same passes eager (no graphs) are reported beside them.
 
-    python -m bench.single_request --out bench/results/single_request.json
+    python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE]
+
+`--profile-out` also writes, per workload, the top GPU kernels of one graphed new request and
+of the same request eager, with the kernels' summed GPU time beside the wall time (what is left
+is launch gaps and host work).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
@@ -53,6 +58,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/single_request.json")
     ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--profile-out", default=None)
     args = ap.parse_args()
     cfg = kev4b_config()
     model = random_model(cfg)
@@ -68,6 +74,7 @@ def main():
     warm_s = time.perf_counter() - t0
     graphed = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)
     result = {**run_info(), "warm_up_s": warm_s}
+    profiles: list[str] = []
     for name, (doc_tokens, n_rows, row_tokens) in WORKLOADS.items():
         doc = torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist()
         rows = [torch.randint(0, cfg.vocab_size, (row_tokens,), generator=gen).tolist() for _ in range(n_rows)]
@@ -93,7 +100,27 @@ def main():
                         "graphed_vs_eager_max_abs": (g_out.float() - e_out.float()).abs().max().item(),
                         "graph_stats": vars(graphed.stats).copy(), "reps": args.reps}
         write_json(args.out, result)  # partial results survive a time-out
+        if args.profile_out:
+            profiles.append(profile_request(name, graphed, runner, bank, doc, rows))
+            with open(args.profile_out, "w") as f:
+                f.write("\n".join(profiles))
     write_json(args.out, result)
+
+
+def profile_request(name, graphed, runner, bank, doc, rows) -> str:
+    """Kernel tables of one new request, graphed and eager (Kineto traces kernels inside graphs)."""
+    out = []
+    for label, passes in (("graphed", graphed), ("eager", runner)):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            wall = timed(lambda: request(passes, bank, doc, rows))
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.self_device_time_total > 0)
+        out.append(f"== {name} new request, {label}: wall {wall:.2f} ms (under the profiler), kernels' GPU time "
+                   f"{gpu_us / 1e3:.2f} ms over {launches} kernel runs ==")
+        out.append(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

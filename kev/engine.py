@@ -25,8 +25,9 @@ from kev.doc_key import document_key
 from kev.head import DecisionHead, answers, load_head
 from kev.model import Qwen35Model
 from kev.ops import Ops, get_ops
+from kev.passes import GraphPlan, PassBuilder, PassRole
 from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
-from kev.runner import RowBatch, Runner
+from kev.runner import RowBatch
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,14 @@ def answer_rows(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden:
 
 
 class Engine:
-    """A model, its own bank and an LRU of document states, scoring requests in process."""
+    """A model, its own bank and an LRU of document states, scoring requests in process.
+    With TritonOps on CUDA the passes are class-tuned and graphed as in the services
+    (kev.passes; built here, so construction warms up and captures `plan`'s buckets)."""
 
-    def __init__(self, loaded: LoadedModel, bank: Bank, ops: Ops | None = None):
+    def __init__(self, loaded: LoadedModel, bank: Bank, ops: Ops | None = None, plan: GraphPlan = GraphPlan()):
         self.loaded = loaded
         self.bank = bank
-        self.runner = Runner(loaded.model, bank, ops or get_ops("torch"))
+        self.passes = PassBuilder(loaded.model, ops or get_ops("torch"), PassRole.BOTH, plan).build(bank)
         self._documents: OrderedDict[str, BankHandle] = OrderedDict()  # doc key -> handle, LRU first
 
     @classmethod
@@ -135,7 +138,7 @@ class Engine:
                 results[i] = err
         if prepared:
             handles, cached = self._document_handles([p.document_ids for p in prepared])
-            hidden = self.runner.row_pass(row_batch_for(prepared, handles, self.bank.block_table.device))
+            hidden = self.passes.row_pass(row_batch_for(prepared, handles, self.bank.block_table.device))
             per_request = answer_rows(self.loaded.head, prepared, hidden)
             ms = (time.perf_counter() - start) * 1000
             for i, p, ans, hit in zip(where, prepared, per_request, cached):
@@ -164,7 +167,7 @@ class Engine:
                 new_docs.append(doc)
                 hits.append(False)
         if new_docs:
-            self.runner.state_pass(new_docs, [handles[k] for k in new_keys])
+            self.passes.state_pass(new_docs, [handles[k] for k in new_keys])
             for k in new_keys:
                 self._documents[k] = handles[k]
         return [handles[k] for k in keys], hits

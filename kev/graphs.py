@@ -11,8 +11,8 @@ length at run time, so one graph serves rows over 40-token and 60k-token documen
 
 Capture policy (`CapturePolicy`), never a stall on a busy server:
 - WARMUP_ONLY: graphs only from `capture(keys)` at start-up (after `autotune.warm_up`).
-- WHEN_IDLE: a bucket used `min_uses` times without a graph is queued; the server calls
-  `capture_pending()` when its queue is empty.
+- WHEN_IDLE: a bucket used `min_uses` times without a graph is queued (as are the buckets given to
+  `queue(keys)`); the server calls `capture_pending()` when its queue is empty.
 - ON_FIRST_USE: capture at the first use (benchmarks, tests).
 Capture runs the pass once eagerly on a side stream (compiles; autotunes only if the class was
 never warmed), then captures it; nothing inside the capture syncs with the host or autotunes.
@@ -82,14 +82,14 @@ class _Entry:
 
 class GraphedPasses:
     def __init__(self, runner: Runner, buckets: Buckets = Buckets(), policy: CapturePolicy = CapturePolicy.WHEN_IDLE,
-                 max_graphs: int = 32, max_entries: int = 64, min_uses: int = 2):
+                 max_graphs: int = 32, max_entries: int = 64, min_uses: int = 2, stats: GraphStats | None = None):
         if not isinstance(runner.ops, TritonOps):
             raise ValueError(f"CUDA graphs need the indexed TritonOps, got {type(runner.ops).__name__}")
         self.runner, self.buckets, self.policy = runner, buckets, policy
         self.max_graphs, self.max_entries, self.min_uses = max_graphs, max_entries, min_uses
         cfg = runner.model.cfg
         self.attn_block = query_block(cfg.num_attention_heads // cfg.num_key_value_heads)
-        self.stats = GraphStats()
+        self.stats = stats if stats is not None else GraphStats()  # shared: a process's counts over re-attaches
         self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
         self._uses: Counter[GraphKey] = Counter()
         self._pending: list[GraphKey] = []
@@ -139,14 +139,25 @@ class GraphedPasses:
             self._fill_synthetic(entry.static)
             self._capture(key, entry)
 
+    def queue(self, keys: Iterable[GraphKey]) -> None:
+        """Queue `keys` for `capture_pending` (a start-up list that must not be captured by the
+        calling thread). No GPU work here: the buffers are made by the capturing thread."""
+        for key in keys:
+            if key not in self._pending:
+                self._pending.append(key)
+
     def capture_pending(self, limit: int = 1) -> int:
-        """Capture up to `limit` queued buckets (WHEN_IDLE: call when the server is idle). Their
-        buffers still hold the last real pass, so the warm-up run is representative."""
+        """Capture up to `limit` queued buckets (WHEN_IDLE: call when the server is idle). Buckets
+        queued by use still hold their last real pass, so the warm-up run is representative;
+        buckets from `queue` get the synthetic fill of `capture`."""
         done = 0
         while self._pending and done < limit:
             key = self._pending.pop(0)
             entry = self._entries.get(key)
-            if entry is not None and entry.graph is None:
+            if entry is None:  # from `queue`: never run yet
+                entry = self._entry(key)
+                self._fill_synthetic(entry.static)
+            if entry.graph is None and key not in self.failed:
                 with torch.no_grad():
                     self._try_capture(key, entry)
                 done += 1
@@ -219,7 +230,9 @@ class GraphedPasses:
             self._forward(entry)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a server's other threads (a scorer re-attaching, mapping a new bank's memory)
+        # may make CUDA calls while its pass thread captures; none of them touches this stream.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(entry)
         return graph, out
 

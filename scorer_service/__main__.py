@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2
 
 from kev.engine import LoadedModel
 from kev.ops import get_ops
+from kev.passes import PassBuilder, PassRole
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
@@ -60,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
              config.ops_backend)
     metrics = ScorerMetrics()
-    link = BankLink(config, loaded, get_ops(config.ops_backend), metrics)
+    # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/passes.py).
+    builder = PassBuilder(loaded.model, get_ops(config.ops_backend), PassRole.ROWS, config.graph_plan)
+    metrics.watch_graphs(lambda: builder.graph_stats)
+    link = BankLink(config, loaded, builder, metrics)
     batcher = RowBatcher(link, loaded.head, metrics, max_rows_per_pass=config.max_rows_per_pass,
                          max_tokens_per_pass=config.max_tokens_per_pass, max_wait_ms=config.max_wait_ms,
                          max_queue=config.max_queue)

@@ -16,6 +16,11 @@ restarted, the bank re-registered its entries) keeps the attachment with the new
 instance (the bank restarted) is re-attached, and the handle is dropped (`StaleAttachment`, the
 request retries once). Right before each row pass the batcher also checks every handle against
 the mapped slot generations (`AttachedBank.check`).
+
+Passes. Each attachment has its own passes (`kev.passes.PassBuilder.build`): on CUDA, graphs
+hold the mapped memory's addresses, so a new bank instance gets new graphs. The process's tuner
+and its warm-up are kept; the first attachment (start-up, before SERVING) captures the start-up
+buckets, a re-attachment only queues them for the row worker's idle time.
 """
 
 from __future__ import annotations
@@ -33,8 +38,7 @@ from kev.directory import Directory, DirectoryUnavailable, connect
 from kev.doc_key import document_key
 from kev.engine import LoadedModel
 from kev.errors import InvalidRequest
-from kev.ops import Ops
-from kev.runner import Runner
+from kev.passes import PassBuilder, ServedPasses
 from kev.v1 import bank_pb2, bank_pb2_grpc
 from scorer_service.config import ScorerConfig
 from scorer_service.errors import DeadlineExceeded, Exhausted, ServiceError, StaleAttachment, Unavailable
@@ -45,13 +49,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Attachment:
-    """One mapping of one bank instance, and a runner reading it."""
+    """One mapping of one bank instance, and the passes reading it."""
 
     instance: str
     node: str
     epoch: str | None  # directory epoch confirmed for this instance; updated after a Redis restart
     bank: object  # kev.bank.shared.AttachedBank: .pools, .block_table, .check(handle)
-    runner: Runner
+    passes: ServedPasses
     directory: Directory
 
 
@@ -68,11 +72,11 @@ class DocLease:
 
 
 class BankLink:
-    def __init__(self, config: ScorerConfig, loaded: LoadedModel, ops: Ops, metrics: ScorerMetrics,
+    def __init__(self, config: ScorerConfig, loaded: LoadedModel, builder: PassBuilder, metrics: ScorerMetrics,
                  attach_fn=None):
         if attach_fn is None:
             from kev.bank.shared import attach as attach_fn  # the bank engineer's mapping code
-        self.config, self.loaded, self.ops, self.metrics = config, loaded, ops, metrics
+        self.config, self.loaded, self.builder, self.metrics = config, loaded, builder, metrics
         self._attach_fn = attach_fn
         self.channel = grpc.insecure_channel(config.bank_addr)
         self.stub = bank_pb2_grpc.BankStub(self.channel)
@@ -109,8 +113,9 @@ class BankLink:
                 bank = self._attach_fn(resp)
             except (OSError, ValueError) as e:  # the segment is gone (bank crashed), or a layout mismatch
                 raise Unavailable(f"cannot map the memory of bank instance {resp.instance}: {e}") from None
-            att = Attachment(resp.instance, resp.node, epoch, bank, Runner(self.loaded.model, bank, self.ops),
-                             directory)
+            # Start-up captures here (nothing runs yet); a re-attach leaves capture to the row worker.
+            passes = self.builder.build(bank, capture=self._current is None)
+            att = Attachment(resp.instance, resp.node, epoch, bank, passes, directory)
             log.info("attached bank instance %s (node %s, %d slots, %d blocks)", resp.instance, resp.node,
                      resp.slot_count, resp.block_count)
             self._current = att

@@ -5,7 +5,9 @@ rows; a request that does not fit gets `Exhausted`, except that an empty queue t
 so there is no limit on questions per request); ONE worker thread takes rows in arrival order
 until a pass holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row is
 always taken) or the oldest row has waited `max_wait_ms`, then hands the pass to the engine's
-shared pieces: `row_batch_for` -> `Runner.row_pass` on the attached bank -> `answer_rows`.
+shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/passes.py) -> `answer_rows`.
+When the queue is empty and a CUDA graph waits to be captured, the worker captures one, then looks
+at the queue again: a capture never delays a row that was already waiting.
 
 A request's rows may be split over several passes (each pass sees a partial `PreparedRequest`
 holding its rows); rows never depend on what else shares their pass (batch-invariant kernels), so
@@ -120,11 +122,28 @@ class RowBatcher:
                     self._cond.wait(wait)
                 elif self._stopping:
                     return None
+                elif self._idle_work():
+                    return []  # nothing queued: time for one capture
                 else:
                     self._cond.wait()
 
+    def _idle_work(self) -> bool:
+        att = self.link.current
+        return att is not None and att.passes.idle_work
+
+    def _capture_when_idle(self) -> None:
+        att = self.link.current
+        try:
+            if att is not None:
+                att.passes.capture_when_idle(limit=1)
+        except Exception:  # noqa: BLE001 - a failed capture leaves its bucket eager; serving goes on
+            log.exception("idle CUDA-graph capture failed")
+
     def _run(self) -> None:
         while (rows := self._take()) is not None:
+            if not rows:
+                self._capture_when_idle()
+                continue
             live = [r for r in rows if not r.job.done.is_set()]
             if live:
                 try:
@@ -157,8 +176,8 @@ class RowBatcher:
         partial = [dataclasses.replace(job.prepared, rows=tuple(job.prepared.rows[i] for i in idx))
                    for job, idx in jobs.items()]
         handles = [job.lease.handle for job in jobs]
-        batch = row_batch_for(partial, handles, current.runner.device)
-        hidden = current.runner.row_pass(batch)
+        batch = row_batch_for(partial, handles, current.passes.device)
+        hidden = current.passes.row_pass(batch)
         answers = answer_rows(self.head, partial, hidden)
         seconds = time.perf_counter() - start
         self.metrics.row_pass(sum(len(i) for i in jobs.values()), int(batch.tokens.numel()), seconds)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from urllib.parse import urlsplit, urlunsplit
 
+from kev.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets
 from kev.prompts import Limits
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 # and answered INVALID_ARGUMENT naming the biggest field; beyond it the transport refuses them
 # (RESOURCE_EXHAUSTED) before the server sees a byte, which protects the process's memory.
 TRANSPORT_LIMIT_FACTOR = 4
+OPS_BACKENDS = ("torch", "triton", "gathered")  # kev.ops.get_ops names
 
 
 class ConfigError(ValueError):
@@ -49,6 +51,12 @@ class ScorerConfig:
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting for a row pass
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
     lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
+    # CUDA only (kev/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
+    graph_rows: str = _env("KEV_GRAPH_ROWS", DEFAULT_ROW_BUCKETS)
+    max_graphs: int = _env("KEV_MAX_GRAPHS", 32)  # CUDA graphs kept (LRU); 0: none
+    # Row-pass kernels: unset = torch on CPU, triton (bank-indexed) on GPU; "gathered" is the
+    # gathered-state baseline (kev/ops/gathered_ops.py) that bench/load_compare.py serves side by side.
+    ops: str | None = _env("KEV_OPS", None)
     # Flags only: knobs deployments rarely change.
     max_request_bytes: int = 16 << 20  # serialized ScoreQuestionsRequest; larger is INVALID_ARGUMENT
     grpc_threads: int = 256  # concurrent RPCs being handled (each waits on its rows)
@@ -63,17 +71,36 @@ class ScorerConfig:
                      "max_document_tokens", "max_row_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ops not in (None, *OPS_BACKENDS):
+            raise ConfigError(f"KEV_OPS must be one of {', '.join(OPS_BACKENDS)}, got {self.ops!r}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"KEV_MAX_WAIT_MS must be >= 0, got {self.max_wait_ms}")
         if self.lease_seconds <= 0 or self.bank_timeout_s <= 0:
             raise ConfigError("KEV_LEASE_SECONDS and --bank-timeout-s must be > 0")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"KEV_METRICS_PORT must be 0-65535, got {self.metrics_port}")
+        if self.max_graphs < 0:
+            raise ConfigError(f"KEV_MAX_GRAPHS must be >= 0, got {self.max_graphs}")
+        try:
+            rows = parse_row_buckets(self.graph_rows)
+        except ValueError as e:
+            raise ConfigError(f"KEV_GRAPH_ROWS: {e}") from None
+        if self.max_graphs and len(rows) > self.max_graphs:
+            raise ConfigError(f"KEV_GRAPH_ROWS names {len(rows)} buckets, more than KEV_MAX_GRAPHS={self.max_graphs}")
 
     @property
     def ops_backend(self) -> str:
-        """The explicit kernel choice: torch reference ops on CPU, the bank-indexed Triton ops on GPU."""
+        """The explicit kernel choice: KEV_OPS, else torch reference ops on CPU and the bank-indexed
+        Triton ops on GPU."""
+        if self.ops is not None:
+            return self.ops
         return "torch" if self.device == "cpu" else "triton"
+
+    @property
+    def graph_plan(self) -> GraphPlan:
+        """What the row passes capture on CUDA (ignored on CPU)."""
+        return GraphPlan(rows=parse_row_buckets(self.graph_rows), docs=(), max_graphs=self.max_graphs,
+                         max_rows_per_pass=self.max_rows_per_pass)
 
     @property
     def limits(self) -> Limits:

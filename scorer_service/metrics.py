@@ -9,6 +9,10 @@
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
     kev_scorer_pins_held                     gauge      directory leases this process holds now
+    kev_scorer_graph_passes_total{path}      counter    row passes by path (CUDA only): replay (a CUDA graph),
+                                                        eager_bucketed (a bucket without a graph yet),
+                                                        unbucketed (fits no bucket: plain class-tuned pass)
+    kev_scorer_graph_captures_total          counter    CUDA graphs captured (start-up and when idle)
 
 A private registry per instance keeps two scorers in one test process apart.
 """
@@ -20,6 +24,7 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,11 @@ class ScorerMetrics:
         self.tokens_per_pass.observe(tokens)
         self.pass_seconds.observe(seconds)
 
+    def watch_graphs(self, stats: Callable[[], object | None]) -> None:
+        """Export the process's CUDA-graph counters (`kev.graphs.GraphStats`, read at scrape time;
+        None on CPU: nothing exported). The passes count them; nothing here touches a pass."""
+        self.registry.register(_GraphCollector(stats))
+
     def set_occupancy(self, slots_used: int, slots_total: int, blocks_used: int, blocks_total: int) -> None:
         self.bank_occupancy.labels(resource="slots").set(slots_used / max(slots_total, 1))
         self.bank_occupancy.labels(resource="blocks").set(blocks_used / max(blocks_total, 1))
@@ -91,3 +101,25 @@ class ScorerMetrics:
 
     def close(self) -> None:
         self._stop.set()
+
+
+class _GraphCollector:
+    """Counters read from the process's `GraphStats` when Prometheus scrapes."""
+
+    PATHS = (("replay", "replays"), ("eager_bucketed", "eager_bucketed"), ("unbucketed", "unbucketed"))
+
+    def __init__(self, stats: Callable[[], object | None]):
+        self.stats = stats
+
+    def describe(self):
+        return []  # unchecked at registration: the names are only known here
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        passes = CounterMetricFamily("kev_scorer_graph_passes", "Row passes by CUDA-graph path", labels=["path"])
+        for label, attr in self.PATHS:
+            passes.add_metric([label], getattr(s, attr))
+        yield passes
+        yield CounterMetricFamily("kev_scorer_graph_captures", "CUDA graphs captured", value=s.captures)

@@ -116,7 +116,8 @@ class Ops(Protocol):
 
 
 def get_ops(backend: str) -> Ops:
-    """`torch` (reference, any device) or `triton` (GPU kernels reading the bank in place)."""
+    """`torch` (reference, any device), `triton` (GPU kernels reading the bank in place) or
+    `gathered` (the same kernels on states first copied into row buffers: the benchmark baseline)."""
     if backend == "torch":
         from kev.ops.torch_ops import TorchOps
 
@@ -125,7 +126,11 @@ def get_ops(backend: str) -> Ops:
         from kev.ops.triton_ops import TritonOps
 
         return TritonOps()
-    raise ValueError(f"unknown ops backend {backend!r} (expected 'torch' or 'triton')")
+    if backend == "gathered":
+        from kev.ops.gathered_ops import GatheredOps
+
+        return GatheredOps()
+    raise ValueError(f"unknown ops backend {backend!r} (expected 'torch', 'triton' or 'gathered')")
 
 
 __all__ = ["Ops", "PassMeta", "HostMeta", "get_ops"]
