@@ -14,10 +14,50 @@ from dataclasses import dataclass
 import torch
 
 from kev.bank.bank import Bank, BankHandle
+from kev.config import ModelConfig
 from kev.model import Qwen35Model
 from kev.ops import Ops, PassMeta
 from kev.ops.autotune import ClassTuner, ShapeClass, classify
 from kev.ops.meta import host_positions
+
+# Safety factor of `state_pass_peak_bytes` over its itemised estimate: kernel temporaries not listed,
+# allocation rounding, tensors freed a little later than the listing assumes.
+PEAK_SLACK = 1.5
+
+
+def state_pass_peak_bytes(cfg: ModelConfig, tokens: int, sequences: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bound on the device memory one state pass of `tokens` packed tokens (`sequences` documents)
+    allocates above the weights and the bank (the runner's own chunking makes this the whole story
+    for any document length: a long document runs `state_chunk_tokens` at a time, its state riding
+    in its slot, so nothing grows with the document).
+
+    Itemised per token (activation dtype e bytes, fp32 4 bytes), the largest of the three layer
+    kinds while it runs, plus the residual stream around it:
+    - residual stream: x, its norm and the previous block's output: 3 d e
+    - DeltaNet: the fused projection output (conv_dim + value_dim + 2 HV) e, the conv output
+      conv_dim e, g (fp32) and beta, l2-normalised q and k 2 H K e, v made contiguous, fla's
+      chunk-local cumsum (fp32), WY w, u and A (HV K + HV V + HV 64) e, v_new, o (HV V e each);
+      plus the state at every chunk start, HV K V e per 64-token chunk
+    - attention: the fused q/gate, k, v output (2 Hq D + 2 Hkv D) e, q and k after norm/RoPE,
+      o and the gated o
+    - MLP: gate/up 2 F e, silu(gate) * up F e, the down projection d e
+    - positions, token ids, RoPE tables
+    times `PEAK_SLACK`. Kev-4B at 8,192 tokens: ~126 KB per token, the DeltaNet layer, 1.55 GB bound."""
+    e = torch.empty((), dtype=dtype).element_size()
+    d, F = cfg.hidden_size, cfg.intermediate_size
+    H, K = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    HV, V = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    chunk = 64  # the delta rule's chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
+    residual = 3 * d * e
+    deltanet = ((cfg.conv_dim + cfg.linear_value_dim + 2 * HV) * e + cfg.conv_dim * e + HV * (4 + e)
+                + 2 * H * K * e + HV * V * e + HV * 4 + (HV * K + HV * V + HV * chunk) * e + 2 * HV * V * e)
+    attention = (2 * Hq * D + 2 * Hkv * D) * e + (Hq * D + Hkv * D) * e + 2 * Hq * D * e
+    mlp = 3 * F * e + d * e
+    index = 2 * 8 + cfg.rotary_dim * (2 * e + 12)
+    per_token = residual + max(deltanet, attention, mlp) + index
+    chunk_states = (tokens // chunk + sequences) * HV * K * V * e if cfg.deltanet_layers else 0
+    return int(PEAK_SLACK * (tokens * per_token + chunk_states))
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +133,12 @@ class Runner:
                 self.model(tokens, meta, self.bank.pools, self.ops,
                            picks=torch.zeros(0, dtype=torch.int64, device=self.device))
             done += self.state_chunk_tokens
+
+    def state_pass_peak_bytes(self, doc_lens: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bound on what `state_pass` of documents of `doc_lens` tokens allocates above weights and
+        bank: its largest pass is the first, every document's first chunk."""
+        first = [min(n, self.state_chunk_tokens) for n in doc_lens if n > 0]
+        return state_pass_peak_bytes(self.model.cfg, sum(first), len(first), dtype) if first else 0
 
     def row_meta(self, batch: RowBatch) -> PassMeta:
         return PassMeta(cu_seqlens=batch.cu_seqlens, read_slots=batch.slots,

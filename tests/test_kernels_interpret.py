@@ -197,9 +197,11 @@ ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
 }
 
 
+@pytest.mark.parametrize("nv", [1, 2], ids=lambda n: f"nv{n}")
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("case", ATTN_CASES, ids=list(ATTN_CASES))
-def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads):
+def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads, nv):
+    """nv: the value features split over that many programs (an autotuned config)."""
     lens, prefixes, write = ATTN_CASES[case]
     HQ, HKV = heads
     D, BS, NB = 32, 16, 24
@@ -223,7 +225,8 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads)
     kbefore = kbase.clone()
     out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
                                              key_pages=key_pages, value_pages=value_pages,
-                                             block_table=meta.block_table, write_slots=meta.write_slots)
+                                             block_table=meta.block_table, write_slots=meta.write_slots,
+                                             config=interp.attn.triton.Config({"NV": nv}, num_warps=4, num_stages=1))
     ref = TorchOps().attention(q, k, v, meta, ref_k, ref_v)
     assert rel_err(ref, out) <= 1e-5
     assert torch.equal(key_pages, ref_k) and torch.equal(value_pages, ref_v)

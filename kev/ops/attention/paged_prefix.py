@@ -7,9 +7,10 @@ read straight from the pages by block table: no gather. When `write_slots[n] >= 
 own K/V are stored into its pages (`write_table[n]`) at positions prefix .. prefix + L - 1; those
 pages are disjoint from the prefix pages the kernel reads, so reads and writes never race.
 
-One program per (block of BM query tokens of one sequence, kv head); the G = Hq / Hkv query heads
-of the kv head are stacked into the rows of one tile (row r = token r // G, head r % G), so every
-K/V tile feeds G heads. Online softmax in fp32 (exp2), P rounded to V's dtype for the PV product
+One program per (block of BM query tokens of one sequence, kv head, value split); the G = Hq / Hkv
+query heads of the kv head are stacked into the rows of one tile (row r = token r // G, head r % G),
+so every K/V tile feeds G heads. With NV value splits (tuned) each program computes the full scores
+and accumulates BD / NV of the value features. Online softmax in fp32 (exp2), P rounded to V's dtype for the PV product
 (the reference rounds probabilities to the activations' dtype too).
 
 Reference: the loop in `TorchOps.attention`.
@@ -25,9 +26,14 @@ from fla.ops.utils.index import prepare_chunk_indices
 from kev.ops.conv.indexed_conv import shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
-# and break bit-identical results across configs.
+# and break bit-identical results across configs. NV (value splits) is tuned: NV programs of one
+# query block compute the same scores and each accumulates BD / NV of the value features, so every
+# output element sees the very same sums. At head dim 256 one program's [64, 256] fp32 accumulator,
+# queries and K/V tiles spill (ptxas, sm_90: 255 registers, 1.9 KB spilled per thread at 4 warps,
+# 1.1 KB at 8); NV = 2 at 8 warps spills 32 bytes, for the scores computed twice.
 ATTN_CONFIGS = [
-    triton.Config({}, num_warps=num_warps, num_stages=num_stages)
+    triton.Config({"NV": nv}, num_warps=num_warps, num_stages=num_stages)
+    for nv in [1, 2]
     for num_warps in [4, 8]
     for num_stages in [1, 2]
 ]
@@ -58,17 +64,23 @@ def paged_prefix_attn_fwd_kernel(
     stride_rt_n, stride_wt_n,
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr,
 ):
-    i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
+    BV: tl.constexpr = BD // NV
+    i_ct, i_kvh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
     i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     prefix = tl.load(prefix_lens + i_n).to(tl.int64)
 
-    o_d = tl.arange(0, BD)
+    o_d = tl.arange(0, BD)  # q/k features: the scores use all of them
     m_d = o_d < D
+    if NV == 1:
+        o_v = o_d
+    else:
+        o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
+    m_v = o_v < D
     o_r = tl.arange(0, BR)  # stacked rows: token r // G, head r % G
     t_r = i_t * BM + o_r // G  # [BR] token index inside the sequence
     h_r = i_kvh * G + o_r % G  # [BR] query head
@@ -78,7 +90,7 @@ def paged_prefix_attn_fwd_kernel(
 
     b_m = tl.full([BR], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
     b_l = tl.zeros([BR], dtype=tl.float32)
-    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
+    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
     o_n = tl.arange(0, BN)
 
     # the document prefix, page by page through the block table
@@ -98,9 +110,9 @@ def paged_prefix_attn_fwd_kernel(
         b_alpha = tl.exp2(b_m - b_m_new)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         p_v = value_pages + b_page[:, None] * stride_vp_b + (o_p % BS)[:, None] * stride_vp_s \
-            + i_kvh * stride_vp_h + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_p[:, None] & m_d[None, :], other=0.0)  # [BN, BD]
-        # [BR, BN] @ [BN, BD] -> [BR, BD]
+            + i_kvh * stride_vp_h + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_p[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
+        # [BR, BN] @ [BN, BV] -> [BR, BV]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
 
@@ -118,30 +130,30 @@ def paged_prefix_attn_fwd_kernel(
         b_p = tl.exp2(b_s - b_m_new[:, None])
         b_alpha = tl.exp2(b_m - b_m_new)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        p_v = v + (bos + o_j)[:, None] * stride_v_t + i_kvh * stride_v_h + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_j[:, None] & m_d[None, :], other=0.0)  # [BN, BD]
-        # [BR, BN] @ [BN, BD] -> [BR, BD]
+        p_v = v + (bos + o_j)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
+        # [BR, BN] @ [BN, BV] -> [BR, BV]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
 
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_d[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
 
-    # the block's own K/V into its pages, once per (token, kv head)
+    # the block's own K/V into its pages, once per (token, kv head, feature slice)
     b_write = tl.load(write_slots + i_n)
     o_tw = i_t * BM + tl.arange(0, BM)
     m_tw = (o_tw < L) & (b_write >= 0)
     pos = prefix + o_tw
     b_wpage = tl.load(write_table + i_n * stride_wt_n + pos // BS, mask=m_tw, other=0).to(tl.int64)
-    m_kv = m_tw[:, None] & m_d[None, :]
-    b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_d[None, :], mask=m_kv)
+    m_kv = m_tw[:, None] & m_v[None, :]
+    b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_v[None, :], mask=m_kv)
     p_ok = out_key_pages + b_wpage[:, None] * stride_okp_b + (pos % BS)[:, None] * stride_okp_s \
-        + i_kvh * stride_okp_h + o_d[None, :]
+        + i_kvh * stride_okp_h + o_v[None, :]
     tl.store(p_ok, b_k_own.to(out_key_pages.dtype.element_ty), mask=m_kv)
-    b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_d[None, :], mask=m_kv)
+    b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :], mask=m_kv)
     p_ov = out_value_pages + b_wpage[:, None] * stride_ovp_b + (pos % BS)[:, None] * stride_ovp_s \
-        + i_kvh * stride_ovp_h + o_d[None, :]
+        + i_kvh * stride_ovp_h + o_v[None, :]
     tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
 
 
@@ -225,7 +237,7 @@ def paged_prefix_attention(
     if NT == 0:
         return o
     scale = D ** -0.5 if scale is None else scale
-    BD = max(16, triton.next_power_of_2(D))
+    BD = max(32, triton.next_power_of_2(D))  # >= 32: a value split of BD / 2 is still a dot operand
     n_class, t_class = shape_class(N, T)
     args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
             prefix_lens, write_slots, cu_seqlens, chunk_indices, scale * 1.4426950408889634,
@@ -234,7 +246,10 @@ def paged_prefix_attention(
             *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
     meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
                 BN=block_n or (64 if BD <= 128 else 32))
-    grid = (NT, HKV)
+
+    def grid(m):  # (query blocks, kv heads, value splits)
+        return (NT, HKV, m["NV"])
+
     if config is None:
         _tuned_attn_kernel[grid](*args, **meta)
     else:
