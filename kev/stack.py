@@ -109,6 +109,7 @@ class Stack:
     scorer_flags: list[str] = field(default_factory=list)
     bank_flags: list[str] = field(default_factory=list)
     torch_threads: int = 1  # per process: the bank and the scorers share the machine's cores
+    start_timeout_s: float = START_TIMEOUT_S  # per process; GPU start-ups (8 GB of weights, warm-up) take longer
     python: str = sys.executable
 
     def __post_init__(self) -> None:
@@ -263,10 +264,10 @@ class Stack:
             code = None if proc.popen is None else proc.popen.returncode
             raise StackError(f"{proc.name} exited ({code}) while starting; log tail:\n{proc.log_tail()}")
         if time.monotonic() > deadline:
-            raise StackError(f"{proc.name} not ready after {START_TIMEOUT_S:.0f} s; log tail:\n{proc.log_tail()}")
+            raise StackError(f"{proc.name} not ready after {self.start_timeout_s:.0f} s; log tail:\n{proc.log_tail()}")
 
     def wait_healthy(self, proc: Proc, addr: str, service: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         with grpc.insecure_channel(addr) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:

@@ -1,0 +1,336 @@
+"""Load generator: N concurrent gRPC clients against a running `kev.v1.Scorer` (issue 7).
+
+Each client is a thread that sends the next request of the workload (bench/load_workloads.py,
+pre-serialized bytes, the affinity header set) as soon as its previous one is answered: a closed
+loop, so the offered load is the client count. Measured per run, after an optional warm-up:
+
+- requests/s: requests answered in the window / (last answer - window start)
+- latency p50/p90/p99/mean/max: the RPC alone, client side (request building excluded)
+- errors by gRPC status (any non-OK; an OK reply missing an answer counts as `MISSING_ANSWER`)
+- bank hit ratio: share of answered requests whose `usage.cached_state_tokens` > 0; and, when the
+  scorer's Prometheus endpoint is given (`--metrics-url`), the scorer's own hit ratio, rows and row
+  tokens per row pass from the difference of two scrapes around the window
+- a live one-line progress display on stderr (one line every 5 s when stderr is not a terminal)
+
+    python -m bench.load --addr 127.0.0.1:50051 --checkpoint CKPT --workload six-short --clients 64 \\
+        --duration 20 --metrics-url http://127.0.0.1:9090/metrics --out run.json [--sweep 1,8,32,64 --plot run.png]
+
+`--checkpoint` is the served checkpoint directory: its tokenizer makes the exact lengths.
+bench/load_compare.py runs this against the project, its gathered variant and a naive baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
+from kev.doc_key import AFFINITY_HEADER
+from kev.v1 import scorer_pb2 as pb
+
+SCORE_METHOD = "/kev.v1.Scorer/ScoreQuestions"
+CLIENTS_PER_CHANNEL = 16  # HTTP/2 connections are shared by this many clients
+PACKAGES = ("torch", "triton", "fla-core", "transformers", "grpcio", "protobuf", "tokenizers", "safetensors",
+            "redis", "prometheus-client", "numpy")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    start: float  # perf_counter at send
+    latency_s: float
+    code: str  # gRPC status name, or MISSING_ANSWER
+    cached: bool
+    doc_tokens: int
+    questions: int
+
+
+# ---------------------------------------------------------------------------------------------
+# one run
+
+
+def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: float | None = 20.0,
+             max_requests: int | None = None, warmup_s: float = 0.0, timeout_s: float = 120.0,
+             metrics_url: str | None = None, label: str = "") -> dict:
+    """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
+
+    The window ends after `duration_s` or once `max_requests` were sent, whichever comes first
+    (in-flight requests are awaited and counted)."""
+    if duration_s is None and max_requests is None:
+        raise ValueError("give a duration or a request count")
+    channels = [grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20),
+                                                     ("grpc.max_receive_message_length", 64 << 20)])
+                for _ in range(math.ceil(clients / CLIENTS_PER_CHANNEL))]
+    calls = [ch.unary_unary(SCORE_METHOD, request_serializer=None,  # payloads are serialized already
+                            response_deserializer=pb.ScoreQuestionsResponse.FromString) for ch in channels]
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    sent = [0]
+    window_start = time.perf_counter() + warmup_s
+    window_end = None if duration_s is None else window_start + duration_s
+    stop = threading.Event()
+
+    def claim() -> bool:
+        """Whether this client may send another request (the request limit counts window sends)."""
+        now = time.perf_counter()
+        if stop.is_set() or (window_end is not None and now >= window_end):
+            return False
+        if max_requests is None or now < window_start:
+            return True
+        with lock:
+            sent[0] += 1
+            return sent[0] <= max_requests
+
+    def client(i: int) -> None:
+        call = calls[i % len(calls)]
+        while claim():
+            item = stream.next()
+            start = time.perf_counter()
+            try:
+                reply = call(item.payload, timeout=timeout_s, metadata=((AFFINITY_HEADER, item.affinity),))
+                code = "OK" if len(reply.answers) == item.questions else "MISSING_ANSWER"
+                cached = reply.usage.cached_state_tokens > 0
+            except grpc.RpcError as e:
+                code, cached = e.code().name, False
+            latency = time.perf_counter() - start
+            if start >= window_start:
+                with lock:
+                    outcomes.append(Outcome(start, latency, code, cached, item.doc_tokens, item.questions))
+
+    threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    progress = Progress(label or f"{stream.workload.name} x{clients}", outcomes, lock, window_start)
+    progress.start()
+    before = None
+    try:
+        if warmup_s > 0:
+            time.sleep(max(0.0, window_start - time.perf_counter()))
+        before = scrape(metrics_url)
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        progress.stop()
+        for ch in channels:
+            ch.close()
+    after = scrape(metrics_url)
+    result = summarize(outcomes, window_start)
+    result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
+                  duration_limit_s=duration_s, request_limit=max_requests, **scorer_figures(before, after))
+    return result
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (q in [0, 1])."""
+    if not sorted_values:
+        return math.nan
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def summarize(outcomes: list[Outcome], window_start: float) -> dict:
+    ok = [o for o in outcomes if o.code == "OK"]
+    errors = Counter(o.code for o in outcomes if o.code != "OK")
+    lat = sorted(o.latency_s * 1e3 for o in ok)
+    elapsed = max((o.start + o.latency_s for o in outcomes), default=window_start) - window_start
+    nan_if_empty = lambda xs, f: f(xs) if xs else math.nan  # noqa: E731
+    return {
+        "requests": len(outcomes), "ok": len(ok), "errors": dict(errors), "error_count": sum(errors.values()),
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": len(ok) / elapsed if elapsed > 0 else 0.0,
+        "p50_ms": percentile(lat, 0.50), "p90_ms": percentile(lat, 0.90), "p99_ms": percentile(lat, 0.99),
+        "mean_ms": nan_if_empty(lat, lambda x: sum(x) / len(x)), "max_ms": nan_if_empty(lat, max),
+        "bank_hit_ratio": nan_if_empty(ok, lambda x: sum(o.cached for o in x) / len(x)),
+        "doc_tokens_mean": nan_if_empty(ok, lambda x: sum(o.doc_tokens for o in x) / len(x)),
+        "questions_mean": nan_if_empty(ok, lambda x: sum(o.questions for o in x) / len(x)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the scorer's Prometheus metrics
+
+
+def scrape(url: str | None) -> dict[str, float] | None:
+    """Prometheus text exposition -> {'name{labels}': value}; None without a URL."""
+    if not url:
+        return None
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def scorer_figures(before: dict | None, after: dict | None) -> dict:
+    """Row passes, rows and row tokens per pass, and the scorer's hit ratio over the window."""
+    if before is None or after is None:
+        return {}
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    passes = delta("kev_scorer_rows_per_pass_count")
+    hits = delta('kev_scorer_bank_lookups_total{result="hit"}')
+    misses = delta('kev_scorer_bank_lookups_total{result="miss"}')
+    return {
+        "row_passes": int(passes),
+        "rows_per_pass": delta("kev_scorer_rows_per_pass_sum") / passes if passes else math.nan,
+        "row_tokens_per_pass": delta("kev_scorer_tokens_per_pass_sum") / passes if passes else math.nan,
+        "scorer_bank_hit_ratio": hits / (hits + misses) if hits + misses else math.nan,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# progress display
+
+
+class Progress:
+    """One status line on stderr, rewritten twice a second (a plain line every 5 s off a terminal)."""
+
+    def __init__(self, label: str, outcomes: list[Outcome], lock: threading.Lock, window_start: float):
+        self.label, self.outcomes, self.lock, self.window_start = label, outcomes, lock, window_start
+        self.tty = sys.stderr.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-progress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.stderr.write(self.line() + "\n")
+        sys.stderr.flush()
+
+    def line(self) -> str:
+        now = time.perf_counter()
+        if now < self.window_start:
+            return f"[{self.label}] warming up, {self.window_start - now:4.1f} s left"
+        with self.lock:
+            done = list(self.outcomes)
+        ok = sorted(o.latency_s * 1e3 for o in done if o.code == "OK")
+        err = len(done) - len(ok)
+        rate = len(ok) / max(now - self.window_start, 1e-9)
+        return (f"[{self.label}] {now - self.window_start:6.1f} s  {len(ok):7d} ok  {err:4d} err  "
+                f"{rate:8.1f} req/s  p50 {percentile(ok, 0.5):8.1f} ms  p99 {percentile(ok, 0.99):8.1f} ms")
+
+    def _run(self) -> None:
+        every = 0.5 if self.tty else 5.0
+        while not self._stop.wait(every):
+            sys.stderr.write(("\r" + self.line() + "\033[K") if self.tty else self.line() + "\n")
+            sys.stderr.flush()
+        if self.tty:
+            sys.stderr.write("\r")
+
+
+# ---------------------------------------------------------------------------------------------
+# environment and the command line
+
+
+def environment() -> dict:
+    """Commit, device, Python and package versions, for the results file."""
+    commit = os.environ.get("KEV_COMMIT")  # the device machine gets a copy of the tree without .git
+    if not commit:
+        commit = git("rev-parse", "--short", "HEAD") or "unknown"
+        commit += "-dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"
+    except ImportError:
+        gpu = "unknown"
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"commit": commit, "gpu": gpu, "host": platform.node(),
+            "python": platform.python_version(), "packages": versions,
+            "command": " ".join([os.path.basename(sys.executable), *sys.orig_argv[1:]])}
+
+
+def git(*args: str) -> str:
+    """A git command's output in this checkout; "" where there is no git or no repository."""
+    try:
+        run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    except OSError:
+        return ""
+    return run.stdout.strip() if run.returncode == 0 else ""
+
+
+def json_safe(value):
+    """NaN and infinities (figures of an empty run) as null: strict JSON readers reject them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def parse_counts(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"client counts must be positive integers, got {text!r}")
+    return counts
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared with bench/load_compare.py."""
+    p.add_argument("--clients", type=int, default=64, help="concurrent clients (default 64)")
+    p.add_argument("--sweep", type=parse_counts, default=None, help="client counts run in turn, e.g. 1,8,32,64")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per run (default 20)")
+    p.add_argument("--requests", type=int, default=None, help="stop a run after this many requests")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured load before each run")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="per-request deadline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0, help="document lengths x this (CPU runs)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
+    p.add_argument("--addr", required=True, help="scorer address host:port")
+    p.add_argument("--checkpoint", required=True, help="the served checkpoint (for its tokenizer)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="six-short")
+    p.add_argument("--metrics-url", default=None, help="the scorer's Prometheus endpoint, http://host:port/metrics")
+    p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--plot", default=None, help="PNG of requests/s and p99 against clients (with --sweep)")
+    add_run_args(p)
+    args = p.parse_args(argv)
+
+    model_id, tokenizer, builder = load_builder(args.checkpoint)
+    stream = RequestStream(TextMaker(tokenizer, builder), model_id, WORKLOADS[args.workload].scaled(args.scale),
+                           args.seed)
+    runs = [run_load(args.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
+                     warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=args.metrics_url)
+            for n in (args.sweep or [args.clients])]
+    out = {**environment(), "workload": args.workload, "scale": args.scale, "runs": runs}
+    if args.out:
+        from bench.common import write_json
+
+        write_json(args.out, json_safe(out))
+    if args.plot:
+        from bench.load_plots import plot_sweeps
+
+        plot_sweeps({"kev": runs}, args.plot, title=args.workload)
+    errors = sum(r["error_count"] for r in runs)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

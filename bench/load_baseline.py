@@ -1,0 +1,336 @@
+"""The naive baseline of issue 7's side-by-side load test: transformers, no state reuse at all.
+
+What users would otherwise run: transformers' `Qwen3_5TextModel` (fla's kernels on GPU, its torch
+reference paths on CPU) with the project's weights, prompts (`kev.prompts`) and pointer head
+(`kev.head`), served on the same `kev.v1.Scorer` gRPC API so the same load generator drives it.
+One batching thread takes whatever requests are waiting (up to `--max-requests`, 64) and runs
+EVERY question row as a full sequence, document + row, in ONE right-padded forward: a six-short
+request re-reads its 48 document tokens six times, a five-long one its 2,200 tokens five times.
+Right padding needs no attention mask (every layer is causal, so real positions never see the
+padding). `--max-batch-tokens` (padded rows x longest sequence) caps a forward's size; a forward
+that runs out of GPU memory is split in halves and retried, and the split is logged.
+
+It exposes the scorer's metric names (`kev_scorer_rows_per_pass`, `kev_scorer_tokens_per_pass`
+= padded tokens per forward, `kev_scorer_row_pass_seconds`) so bench/load.py reads both alike.
+Usage is reported with `cached_state_tokens` 0 (nothing is ever cached).
+
+    python -m bench.load_baseline --checkpoint CKPT --device cuda --listen 127.0.0.1:50061 --metrics-port 9461
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import inspect
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from tokenizers import Tokenizer
+
+from kev import api, wire
+from kev.checkpoint import load_checkpoint
+from kev.engine import answer_rows
+from kev.errors import InvalidRequest
+from kev.head import load_head
+from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
+from kev.v1 import scorer_pb2 as pb
+
+log = logging.getLogger("bench.load_baseline")
+
+SERVICE = "kev.v1.Scorer"
+HF_MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
+# Module globals transformers binds to fla / causal-conv1d kernels at import when installed.
+KERNEL_GLOBALS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                  "causal_conv1d_update")
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+_TOKEN_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576)
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def use_torch_paths() -> None:
+    """Makes transformers' Qwen3.5 layers run their torch reference code in this process (CPU:
+    fla's Triton kernels cannot run there). tests/tiny_checkpoints.hide_fla is the scoped version."""
+    modeling = importlib.import_module(HF_MODELING)
+    for name in KERNEL_GLOBALS:
+        fn = inspect.unwrap(getattr(modeling, name))
+        params = inspect.signature(fn).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            # The dispatcher drops keywords its target does not take; keep that contract.
+            fn = _keywords_of(fn, frozenset(params))
+        setattr(modeling, name, fn)
+
+
+def _keywords_of(fn, names: frozenset[str]):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return fn(*args, **{k: v for k, v in kwargs.items() if k in names})
+
+    return call
+
+
+def kernel_paths() -> dict[str, str]:
+    """Which implementation each kernel global of transformers' Qwen3.5 module runs, for the log."""
+    modeling = importlib.import_module(HF_MODELING)
+    out = {}
+    for name in KERNEL_GLOBALS:
+        fn = getattr(modeling, name)
+        impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn) if fn.__closure__ else fn
+        out[name] = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+    return out
+
+
+@dataclass
+class Pending:
+    prepared: PreparedRequest
+    done: threading.Event = field(default_factory=threading.Event)
+    answers: dict | None = None
+    error: BaseException | None = None
+    model_ms: float = 0.0
+
+
+class BaselineScorer:
+    """The model, head and prompt builder, and the one-padded-forward scoring of a batch."""
+
+    def __init__(self, checkpoint: str | Path, device: str = "cpu", max_document_tokens: int = 65536,
+                 attn_implementation: str = "sdpa"):
+        from transformers import Qwen3_5TextConfig
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+        self.device = torch.device(device)
+        dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        ckpt = load_checkpoint(checkpoint, dtype=dtype, device=device, require_head=True, require_tokenizer=True)
+        # The project's checkpoint names are transformers' Qwen3_5TextModel names (kev.checkpoint maps
+        # both nestings onto them), and its flat config is a Qwen3_5TextConfig.
+        text = ckpt.config.to_text_dict()
+        hf_config = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+        hf_config._attn_implementation = attn_implementation
+        with torch.device(self.device):
+            model = Qwen3_5TextModel(hf_config)
+        # assign: parameters become the loaded tensors (dtype included); the rotary tables, which
+        # are buffers outside the state dict, stay fp32 as transformers keeps them.
+        model.load_state_dict(ckpt.weights, strict=True, assign=True)
+        self.model = model.eval()
+        self.model_id = ckpt.meta.model_id
+        delimiters = Delimiters(**ckpt.meta.delimiters) if ckpt.meta.delimiters else Delimiters()
+        self.builder = PromptBuilder(Tokenizer.from_file(str(ckpt.tokenizer_path)), delimiters,
+                                     Limits(max_document_tokens=max_document_tokens))
+        self.head = load_head(ckpt.head_path, ckpt.config.hidden_size, device=device)
+
+    @torch.inference_mode()
+    def answer(self, prepared: list[PreparedRequest]) -> list[dict[str, api.Answer]]:
+        """Answers of each request: one padded forward over every (document + row) sequence."""
+        seqs, picks = [], []
+        for req in prepared:
+            base = len(req.document_ids)
+            for row in req.rows:
+                seqs.append(req.document_ids + row.prompt.ids)
+                picks.append([base + row.prompt.decide_index, *(base + i for i in row.prompt.option_end_indices)])
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)  # right padding with id 0
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        hidden = self.model(input_ids=ids.to(self.device), use_cache=False).last_hidden_state  # [N, T, d]
+        rows = torch.tensor([i for i, p in enumerate(picks) for _ in p], device=self.device)
+        cols = torch.tensor([c for p in picks for c in p], device=self.device)
+        return answer_rows(self.head, prepared, hidden[rows, cols])  # [P, d]: decide, option ends per row
+
+    def padded_tokens(self, prepared: list[PreparedRequest]) -> int:
+        rows = sum(len(r.rows) for r in prepared)
+        width = max(len(r.document_ids) + len(q.prompt.ids) for r in prepared for q in r.rows)
+        return rows * width
+
+
+class BaselineBatcher:
+    """One thread: takes the waiting requests (up to `max_requests`, `max_batch_tokens` padded), runs them."""
+
+    def __init__(self, scorer: BaselineScorer, max_requests: int = 64, max_batch_tokens: int = 786432,
+                 registry: CollectorRegistry | None = None):
+        self.scorer, self.max_requests, self.max_batch_tokens = scorer, max_requests, max_batch_tokens
+        self.registry = registry or CollectorRegistry()
+        self.rows_per_pass = Histogram("kev_scorer_rows_per_pass", "Rows per padded forward", buckets=_ROW_BUCKETS,
+                                       registry=self.registry)
+        self.tokens_per_pass = Histogram("kev_scorer_tokens_per_pass", "Padded tokens per forward",
+                                         buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.pass_seconds = Histogram("kev_scorer_row_pass_seconds", "Forward wall time", buckets=_SECONDS_BUCKETS,
+                                      registry=self.registry)
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="baseline-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prepared: PreparedRequest) -> Pending:
+        job = Pending(prepared)
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify()
+        return job
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _take(self) -> list[Pending] | None:
+        with self._cond:
+            while not self._queue and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return None
+            batch = [self._queue.popleft()]
+            while self._queue and len(batch) < self.max_requests:
+                grown = [j.prepared for j in batch] + [self._queue[0].prepared]
+                if self.scorer.padded_tokens(grown) > self.max_batch_tokens:
+                    break
+                batch.append(self._queue.popleft())
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._take()) is not None:
+            try:
+                self._run(batch)
+            except BaseException as e:  # noqa: BLE001 - every waiting request gets the error
+                log.exception("baseline forward failed")
+                for job in batch:
+                    job.error = e
+            for job in batch:
+                job.done.set()
+
+    def _run(self, batch: list[Pending]) -> None:
+        prepared = [j.prepared for j in batch]
+        start = time.perf_counter()
+        try:
+            answers = self.scorer.answer(prepared)
+        except torch.OutOfMemoryError:
+            if len(batch) == 1:
+                raise
+            torch.cuda.empty_cache()
+            half = len(batch) // 2
+            log.warning("out of GPU memory on %d requests (%d padded tokens): splitting in halves", len(batch),
+                        self.scorer.padded_tokens(prepared))
+            self._run(batch[:half])
+            self._run(batch[half:])
+            return
+        if self.scorer.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        self.rows_per_pass.observe(sum(len(p.rows) for p in prepared))
+        self.tokens_per_pass.observe(self.scorer.padded_tokens(prepared))
+        self.pass_seconds.observe(seconds)
+        for job, ans in zip(batch, answers, strict=True):
+            job.answers, job.model_ms = ans, seconds * 1e3
+
+
+class BaselineService:
+    """ScoreQuestions / ListModels of kev.v1.Scorer on the baseline (errors: INVALID_ARGUMENT, INTERNAL)."""
+
+    def __init__(self, scorer: BaselineScorer, batcher: BaselineBatcher, max_request_bytes: int = 64 << 20):
+        self.scorer, self.batcher, self.max_request_bytes = scorer, batcher, max_request_bytes
+
+    def score(self, request: api.ScoreRequest, timeout_s: float | None = None) -> api.ScoreResponse:
+        prepared = validate_and_build(request, self.scorer.builder)
+        job = self.batcher.submit(prepared)
+        if not job.done.wait(timeout_s):
+            raise TimeoutError("the baseline did not answer in time")
+        if job.error is not None:
+            raise job.error
+        doc = len(prepared.document_ids)
+        usage = api.Usage(input_tokens=prepared.input_tokens, cached_state_tokens=0, document_tokens=doc,
+                          truncated=prepared.truncated)
+        return api.ScoreResponse(job.answers, usage, job.model_ms, self.scorer.model_id)
+
+    def score_questions(self, raw: bytes, context: grpc.ServicerContext) -> pb.ScoreQuestionsResponse:
+        try:
+            request = wire.request_from_proto(wire.parse_request(raw, self.max_request_bytes))
+            return wire.response_to_proto(self.score(request, context.time_remaining()))
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except Exception as e:  # noqa: BLE001 - INTERNAL, never a hung client
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+
+    def list_models(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        limits = self.scorer.builder.limits
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            id=self.scorer.model_id, max_document_tokens=limits.max_document_tokens,
+            max_row_tokens=limits.max_row_tokens, is_default=True)])
+
+
+def build_server(service: BaselineService, health_servicer: health.HealthServicer, threads: int = 256) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="baseline-rpc"),
+                         options=[("grpc.max_receive_message_length", service.max_request_bytes),
+                                  ("grpc.max_send_message_length", service.max_request_bytes)])
+    handlers = {
+        "ScoreQuestions": grpc.unary_unary_rpc_method_handler(
+            service.score_questions, request_deserializer=None,
+            response_serializer=pb.ScoreQuestionsResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.list_models, request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="python -m bench.load_baseline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    p.add_argument("--listen", default="127.0.0.1:50061")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus endpoint port (0: none)")
+    p.add_argument("--max-requests", type=int, default=64, help="requests per padded forward at most")
+    p.add_argument("--max-batch-tokens", type=int, default=786432, help="padded tokens per forward at most")
+    p.add_argument("--max-document-tokens", type=int, default=65536)
+    p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    args = p.parse_args(argv)
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if not args.device.startswith("cuda"):
+        use_torch_paths()
+    start = time.perf_counter()
+    scorer = BaselineScorer(args.checkpoint, args.device, args.max_document_tokens)
+    log.info("loaded %s on %s in %.1f s; kernels: %s", scorer.model_id, args.device, time.perf_counter() - start,
+             kernel_paths())
+    batcher = BaselineBatcher(scorer, args.max_requests, args.max_batch_tokens)
+    service = BaselineService(scorer, batcher)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = build_server(service, health_servicer)
+    if server.add_insecure_port(args.listen) == 0:
+        log.error("cannot listen on %s", args.listen)
+        return 2
+    server.start()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=batcher.registry)
+    service.score(api.ScoreRequest("Baseline warm-up.", {"w": api.Question.noul("Is this a warm-up?")}), 600)
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving on %s (ready after %.1f s)", args.listen, time.perf_counter() - start)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(5).wait()
+    batcher.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Issue 7 side by side: the project, its gathered-state variant and a naive baseline, same load.
+
+All systems run on the same device and the same checkpoint, one at a time, each driven by the
+same closed-loop load (bench/load.py):
+
+- `kev`: the embedded stack (kev.stack: Redis, bank_service, a scorer_service), bank-indexed row
+  passes (KEV_OPS=triton on GPU, the torch reference on CPU);
+- `gathered`: a second scorer on the same stack and bank with KEV_OPS=gathered (each row's state
+  copied into row buffers first); it idles while `kev` is measured and the other way round. GPU
+  only (its Triton kernels do not run on a CPU). Sharing the stack saves a bank start (minutes at
+  Kev-4B); its load uses another seed, so its documents are new to the bank too;
+- `baseline`: bench/load_baseline.py, started after the stack is stopped: transformers re-reading
+  the document for every question in one padded forward per batch of waiting requests.
+
+Before the load each system answers the same sample of requests, one at a time (so every system
+runs them in the same pass shapes): `gathered` reads the very states `kev`'s sample stored, and
+their probabilities must be bit-identical; the baseline's largest difference from the project's is
+recorded (bf16 on GPU: not expected to be zero).
+
+Writes `<out-dir>/load_<workload>.json` per workload: `commit`, `gpu`, `clients`, `requests_per_s`,
+`p50_ms`, `p90_ms`, `p99_ms`, `errors` (by gRPC status), bank hit ratio and rows per pass for the
+project, the same fields in `gathered` and `baseline`, the sweep of every system, the ratio to the
+baseline, the identity check, package versions and the exact command; with `--sweep`, also
+`load_<workload>.png` (requests/s and p99 against clients). Exit status 1 on any error or mismatch.
+
+GPU (Kev-4B shapes, random bf16 weights written once to /tmp/kev-4b-random). The H200 machine has
+no redis-server and lacks grpcio-health-checking, grpcio-reflection and redis-py: carry `.whl` (fla),
+`.whl_load` (cp312 wheels) and `.redis_carry` (see bench/device_check.py), one workload per command
+(each must end inside 10 minutes; `timeout` makes this driver stop its services first):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl .whl_load/*.whl && export PYTHONPATH=/tmp/site PATH=$PWD/.redis_carry:$PATH KEV_COMMIT=<sha>
+    python3 bench/device_check.py && timeout 570 python3 -m bench.load_compare --device cuda \
+        --workload six-short --sweep 1,8,32,64 --duration 12 --out-dir $OUT
+
+CPU (a tiny random checkpoint; documents scaled down):
+
+    python -m bench.load_compare --device cpu --workload six-short --clients 8 --duration 5 --scale 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.load import SCORE_METHOD, add_run_args, environment, json_safe, run_load
+from bench.load_workloads import WORKLOADS, LoadRequest, RequestStream, TextMaker, load_builder
+from bench.random_checkpoint import write_random_checkpoint
+from kev.stack import REPO_ROOT, Proc, Stack, free_port
+from kev.v1 import scorer_pb2 as pb
+
+SYSTEMS = ("kev", "gathered", "baseline")
+HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "bank_hit_ratio",
+            "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "requests", "elapsed_s")
+START_TIMEOUT_S = 900.0  # Kev-4B: 8 GB of weights per process, then warm-up and autotune
+
+
+# ---------------------------------------------------------------------------------------------
+# the systems
+
+
+class Running:
+    """A started system: its scorer address, metrics URL and how to stop it."""
+
+    def __init__(self, addr: str, metrics_url: str, stop, logs):
+        self.addr, self.metrics_url, self.stop, self.logs = addr, metrics_url, stop, logs
+
+
+def start_stack(checkpoint: Path, args, with_gathered: bool) -> tuple[Stack, dict[str, Running]]:
+    """The stack with the `kev` scorer, and the `gathered` one beside it on the same bank."""
+    dev = args.device
+    ports = {"kev": free_port(), "gathered": free_port()}
+    stack = Stack(checkpoint, bank_memory_bytes=int(args.bank_gb * 2**30), max_document_tokens=args.max_document_tokens,
+                  scorer_env={"KEV_DEVICE": dev, "KEV_OPS": "torch" if dev == "cpu" else "triton",
+                              "KEV_METRICS_PORT": str(ports["kev"])},
+                  bank_env={"KEV_DEVICE": dev},
+                  bank_flags=["--ops", "torch" if dev == "cpu" else "triton", "--avg-doc-tokens",
+                              str(args.avg_doc_tokens), *args.bank_flag],
+                  scorer_flags=list(args.scorer_flag), torch_threads=args.torch_threads,
+                  start_timeout_s=START_TIMEOUT_S)
+    stack.start()
+    try:
+        if with_gathered:
+            stack.add_scorer(env={"KEV_OPS": "gathered", "KEV_METRICS_PORT": str(ports["gathered"])})
+    except BaseException:
+        stack.stop()
+        raise
+    logs = lambda: {p.name: p.log_tail(2000) for p in (stack.bank, *stack.scorers) if p is not None}  # noqa: E731
+    running = {name: Running(addr, f"http://127.0.0.1:{ports[name]}/metrics", stack.stop, logs)
+               for name, addr in zip(("kev", "gathered"), stack.scorer_addrs)}
+    return stack, running
+
+
+def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
+    port, metrics_port = free_port(), free_port()
+    addr = f"127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-m", "bench.load_baseline", "--checkpoint", str(checkpoint), "--device", args.device,
+           "--listen", addr, "--metrics-port", str(metrics_port), "--max-batch-tokens", str(args.baseline_max_batch_tokens),
+           "--max-document-tokens", str(args.max_document_tokens), "--torch-threads", str(args.torch_threads)]
+    proc = Proc("baseline", cmd, env, workdir / "baseline.log")
+    proc.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if not proc.alive or time.monotonic() > deadline:
+                proc.stop()
+                raise RuntimeError(f"the baseline did not start; log tail:\n{proc.log_tail()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service="kev.v1.Scorer"), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    return Running(addr, f"http://127.0.0.1:{metrics_port}/metrics", proc.stop, lambda: {"baseline": proc.log_tail(2000)})
+
+
+# ---------------------------------------------------------------------------------------------
+# the answer comparison
+
+
+def sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float) -> list[dict[str, list[float]] | str]:
+    """Each request's probabilities per question (option order), sent one at a time; an error's status name."""
+    out = []
+    with grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary(SCORE_METHOD, request_serializer=None,
+                                   response_deserializer=pb.ScoreQuestionsResponse.FromString)
+        for item in sample:
+            try:
+                reply = call(item.payload, timeout=timeout_s)
+            except grpc.RpcError as e:
+                out.append(e.code().name)
+                continue
+            answers = {}
+            for name, q in item.request.questions.items():
+                a = reply.answers[name]
+                kind = a.WhichOneof("answer")
+                if kind == "noul":
+                    answers[name] = [a.noul.p_yes]
+                elif kind == "choice":
+                    answers[name] = [a.choice.probabilities[c.name] for c in q.options]
+                else:
+                    answers[name] = list(a.score.probabilities)
+            out.append(answers)
+    return out
+
+
+def compare(ours: list, theirs: list) -> dict:
+    """Bit-identity and the largest absolute difference of two systems' sample answers."""
+    questions = mismatched = failed = 0
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        if isinstance(a, str) or isinstance(b, str):
+            failed += 1
+            continue
+        for name, pa in a.items():
+            pb_ = b.get(name, [])
+            questions += 1
+            if pa != pb_:
+                mismatched += 1
+                worst = max(worst, max((abs(x - y) for x, y in zip(pa, pb_)), default=math.inf))
+    return {"sample_requests": len(ours), "questions": questions, "failed_requests": failed,
+            "mismatched_questions": mismatched, "max_abs_diff": worst,
+            "identical": failed == 0 and mismatched == 0 and questions > 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def measure(system: str, running: Running, checkpoint: Path, args, workloads: list[str], seed: int) -> dict:
+    """Per workload: the sample answers and the runs (sweep or one client count)."""
+    model_id, tokenizer, builder = load_builder(checkpoint, args.max_document_tokens)
+    maker = TextMaker(tokenizer, builder)
+    out = {}
+    for name in workloads:
+        stream = RequestStream(maker, model_id, WORKLOADS[name].scaled(args.scale), seed)
+        answers = sample_answers(running.addr, stream.sample(args.sample), args.timeout_s)
+        runs = [run_load(running.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
+                         warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=running.metrics_url,
+                         label=f"{system} {name} x{n}")
+                for n in (args.sweep or [args.clients])]
+        out[name] = {"sample": answers, "runs": runs}
+    return out
+
+
+def headline(runs: list[dict], clients: int) -> dict:
+    run = next((r for r in runs if r["clients"] == clients), runs[-1])
+    return {k: run.get(k) for k in HEADLINE}
+
+
+def report(name: str, results: dict, skipped: dict, args, env: dict, checkpoint: Path) -> dict:
+    kev = results["kev"][name]
+    out = {**{k: env[k] for k in ("commit", "gpu")}, "workload": name, "device": args.device,
+           "model": ("Kev-4B shapes, random bf16 weights" if args.device != "cpu" else "tiny random fp32 (CPU)"),
+           "checkpoint": str(checkpoint), "scale": args.scale,
+           **headline(kev["runs"], args.clients), "sweep": kev["runs"]}
+    for system in ("gathered", "baseline"):
+        if system in results:
+            out[system] = {**headline(results[system][name]["runs"], args.clients),
+                           "sweep": results[system][name]["runs"]}
+        else:
+            out[system] = {"skipped": skipped.get(system, "not requested")}
+    if "baseline" in results and out["baseline"]["requests_per_s"]:
+        out["speedup_vs_baseline"] = out["requests_per_s"] / out["baseline"]["requests_per_s"]
+        out["baseline_answers"] = compare(kev["sample"], results["baseline"][name]["sample"])
+    if "gathered" in results:
+        out["gathered_bit_identical"] = compare(kev["sample"], results["gathered"][name]["sample"])
+    out["settings"] = {k: v for k, v in vars(args).items() if k not in ("workload",)}
+    out["packages"], out["python"], out["host"], out["command"] = (env["packages"], env["python"], env["host"],
+                                                                   env["command"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.load_compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda | cpu")
+    p.add_argument("--workload", default="six-short", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    p.add_argument("--systems", default=None, help="comma-separated subset of kev,gathered,baseline "
+                   "(default: all on GPU, kev,baseline on CPU)")
+    p.add_argument("--checkpoint", default=None, help="default: a random checkpoint written to --checkpoint-dir")
+    p.add_argument("--checkpoint-dir", default=None, help="default /tmp/kev-4b-random (GPU) or a temp dir (CPU)")
+    p.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
+    p.add_argument("--sample", type=int, default=8, help="requests per workload compared across systems")
+    p.add_argument("--bank-gb", type=float, default=None, help="bank memory (default 48 GiB on GPU, 64 MiB on CPU)")
+    p.add_argument("--avg-doc-tokens", type=int, default=2048, help="the bank's slot/page split")
+    p.add_argument("--max-document-tokens", type=int, default=65536)
+    p.add_argument("--baseline-max-batch-tokens", type=int, default=786432)
+    p.add_argument("--torch-threads", type=int, default=None, help="per service process (default 1 on CPU, 4 on GPU)")
+    p.add_argument("--bank-flag", action="append", default=[], help="extra bank_service flag (repeatable)")
+    p.add_argument("--scorer-flag", action="append", default=[], help="extra scorer_service flag (repeatable)")
+    add_run_args(p)
+    args = p.parse_args(argv)
+    # A SIGTERM (a `timeout` around the run) unwinds like Ctrl-C, so the stack's processes, which
+    # run in their own sessions, are stopped and do not hold the GPU after this process is gone.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    workloads = [w for w in args.workload.split(",") if w]
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        p.error(f"unknown workload(s) {unknown}; known: {sorted(WORKLOADS)}")
+    on_gpu = args.device != "cpu"
+    systems = args.systems.split(",") if args.systems else list(SYSTEMS if on_gpu else ("kev", "baseline"))
+    if any(s not in SYSTEMS for s in systems) or "kev" not in systems:
+        p.error(f"--systems must name kev and any of gathered, baseline (got {args.systems!r})")
+    if args.bank_gb is None:
+        args.bank_gb = 48.0 if on_gpu else 64 / 1024
+    if args.torch_threads is None:
+        args.torch_threads = 4 if on_gpu else 1
+    if args.sweep and args.clients not in args.sweep:
+        args.clients = max(args.sweep)
+
+    env = environment()
+    workdir = Path(tempfile.mkdtemp(prefix="kev-load-"))  # the baseline's log; the CPU checkpoint
+    atexit.register(shutil.rmtree, workdir, True)
+    if args.checkpoint:
+        checkpoint = Path(args.checkpoint)
+    else:
+        where = args.checkpoint_dir or ("/tmp/kev-4b-random" if on_gpu else workdir / "tiny-random")
+        checkpoint = write_random_checkpoint(where, "kev-4b" if on_gpu else "tiny", args.device)
+
+    skipped = {} if on_gpu else {"gathered": "CPU run: the gathered ops are Triton kernels (GPU only)"}
+    results: dict[str, dict] = {}
+
+    def measure_all(system: str, running: Running, seed: int) -> None:
+        try:
+            results[system] = measure(system, running, checkpoint, args, workloads, seed)
+        except BaseException:
+            for proc, tail in running.logs().items():
+                print(f"--- {proc} log tail ---\n{tail}", file=sys.stderr)
+            raise
+
+    start = time.perf_counter()
+    print("== stack: starting", file=sys.stderr, flush=True)
+    stack, running = start_stack(checkpoint, args, "gathered" in systems)
+    print(f"== stack: serving after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    try:
+        measure_all("kev", running["kev"], args.seed)
+        if "gathered" in systems:
+            measure_all("gathered", running["gathered"], args.seed + 1)  # documents new to the shared bank
+    finally:
+        stack.stop()
+    if "baseline" in systems:
+        start = time.perf_counter()
+        print("== baseline: starting", file=sys.stderr, flush=True)
+        baseline = start_baseline(checkpoint, args, workdir)
+        print(f"== baseline: serving after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        try:
+            measure_all("baseline", baseline, args.seed)
+        finally:
+            baseline.stop()
+
+    failed = False
+    for name in workloads:
+        out = report(name, results, skipped, args, env, checkpoint)
+        path = Path(args.out_dir) / f"load_{name}.json"
+        from bench.common import write_json
+
+        write_json(str(path), json_safe(out))
+        errors = out["error_count"] + sum(out[s].get("error_count") or 0 for s in ("gathered", "baseline"))
+        identical = out.get("gathered_bit_identical", {}).get("identical")
+        failed |= errors > 0 or identical is False
+        if args.sweep and len(args.sweep) > 1:
+            from bench.load_plots import plot_sweeps
+
+            plot_sweeps({s: results[s][name]["runs"] for s in results}, Path(args.out_dir) / f"load_{name}.png",
+                        title=f"{name} ({out['gpu']})")
+        print(f"{name}: kev {out['requests_per_s']:.1f} req/s p99 {out['p99_ms']:.1f} ms, errors {errors}, "
+              f"gathered bit-identical: {'not run' if identical is None else identical}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
