@@ -181,8 +181,7 @@ def test_demo_main_prints_the_answers():
             assert f"{name}" in out and label in out
 
 
-@pytest.mark.slow
-@pytest.mark.demo_accuracy  # ~12 min on 2 cores: out of the default run (pyproject addopts)
+@pytest.mark.slow  # ~13 min on 2 free cores (21 min while other jobs shared them); part of `make test`
 def test_retraining_reproduces_the_accuracy(tmp_path):
     """The real training script from scratch (CPU, 2 threads, fixed seed), then the serving path."""
     start = time.perf_counter()
