@@ -64,3 +64,19 @@ def row_pass(model, ops, pools, table, rows, read_slots, doc_lens):
                     prefix_lens=doc_lens[read_slots], block_table=table[read_slots])
     tokens = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=device)
     return model(tokens, meta, pools, ops)
+
+
+def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are 0)."""
+    ref, out = ref.double(), out.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def kev4b_heads_config():
+    """Kev-4B's head counts and dims at a small width: the kernels compile for the served head
+    shapes (once for the GPU tests and the benches) while the GEMMs stay cheap."""
+    from random_models import tiny_config
+
+    return tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                       linear_key_head_dim=128, linear_value_head_dim=128)

@@ -15,12 +15,9 @@ from kev.checkpoint import expected_shapes, load_checkpoint, read_config, read_w
 from kev.config import CheckpointError
 from kev.lora import merge_lora
 from tiny_checkpoints import hide_fla, lora_hooks, make_hf_checkpoint, make_lora_adapter
+from kernel_support import rel_err
 
 TOKENS = 80  # past one 64-token chunk of the reference's chunked delta rule
-
-
-def rel_err(ref: torch.Tensor, out: torch.Tensor) -> float:
-    return ((ref - out).norm() / ref.norm()).item()
 
 
 @pytest.fixture(scope="module")

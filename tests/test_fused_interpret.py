@@ -20,16 +20,12 @@ import torch
 from interpret_support import FakeHopper, compiled_kernels, interpreted_kernels, poison_empty
 from kev.ops.fused import reference
 from kev.ops.torch_ops import TorchOps
+from kernel_support import rel_err
 
 T_CASES = (1, 63, 65, 129)
 DTYPES = (torch.float32, torch.bfloat16)
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2}
 EPS = 1e-6
-
-
-def rel_err(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @pytest.fixture(scope="module")

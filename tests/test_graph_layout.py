@@ -21,10 +21,7 @@ from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
 from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, static_chunks
 from random_models import random_model, tiny_config
-
-
-def rel_err(ref, out):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from kernel_support import rel_err
 
 
 class CpuTritonOps(ReferenceElementwise, TritonOps):

@@ -20,7 +20,7 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from kernel_support import make_pools, packed
+from kernel_support import kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
 from kev.graphs import Buckets, CapturePolicy, GraphedPasses
 from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners, warm_up
@@ -28,24 +28,12 @@ from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
 from kev.static_pass import GraphKey, PassKind, StaticPass
-from random_models import random_model, tiny_config
+from random_models import random_model
 
 pytestmark = pytest.mark.gpu
 
 DOC_LENS = (5, 64, 129, 300, 1100)
 WARM = (ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID, ShapeClass.ROWS_WIDE, ShapeClass.DOCS_FEW)
-
-
-def rel_err(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def small_config():
-    """Kev-4B's head counts and dims (the kernels compile once for these tests and the benches), small width."""
-    return tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=16,
-                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                       linear_key_head_dim=128, linear_value_head_dim=128)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +50,7 @@ def hot():
 
 @pytest.fixture(scope="module")
 def setup(hot):
-    cfg = small_config()
+    cfg = kev4b_heads_config()
     model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).cuda()
     bank = Bank.allocate(cfg, num_slots=16, num_blocks=16 * 36, block_size=64, dtype=torch.bfloat16,
                          device="cuda", max_doc_tokens=2304)

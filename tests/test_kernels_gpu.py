@@ -18,7 +18,7 @@ gate/up are column views of one buffer) and the fused norm/activation kernels of
 import pytest
 import torch
 
-from kernel_support import make_pools, packed, row_pass, state_pass
+from kernel_support import make_pools, packed, rel_err, row_pass, state_pass
 from kev.ops.gathered_ops import GatheredOps
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
@@ -29,11 +29,6 @@ pytestmark = pytest.mark.gpu
 DOC_LENS = (5, 64, 129, 300, 1100, 2200)
 ROW_LENS = (1, 17, 64, 129)
 SLOTS = (6, 0, 3, 5, 1, 2)  # slot of each document (slot 4 stays empty)
-
-
-def rel_err(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,7 @@ from interpret_support import FakeHopper, compiled_kernels, interpreted_kernels,
 from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps
-
-
-def rel_err(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+from kernel_support import rel_err
 
 
 @pytest.fixture(scope="module")

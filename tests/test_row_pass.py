@@ -7,10 +7,7 @@ from kev.bank.bank import Bank
 from kev.ops import PassMeta, get_ops
 from kev.runner import RowBatch, Runner
 from random_models import random_model, tiny_config
-
-
-def rel_err(ref, out):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+from kernel_support import rel_err
 
 
 def full_forward(model, tokens):

@@ -24,25 +24,14 @@ from kev.ops.autotune import ShapeClass, hot_autotuners
 from kev.ops.triton_ops import TritonOps
 from kev.passes import GraphPlan, PassBuilder, PassRole
 from kev.runner import RowBatch, Runner
-from random_models import random_model, tiny_config
+from random_models import random_model
+from kernel_support import kev4b_heads_config, rel_err
 
 pytestmark = pytest.mark.gpu
 
 DOC_LENS = (5, 64, 300, 1100)
 SCORER_PLAN = GraphPlan(rows=((8, 32, 64), (4, 32, 20), (96, 64, 512)), docs=(), max_graphs=8, max_rows_per_pass=96)
 BANK_PLAN = GraphPlan(rows=(), docs=((1, 64), (1, 256)), max_graphs=4)
-
-
-def rel_err(ref, out):
-    ref, out = ref.double(), out.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def small_config():
-    """Kev-4B's head counts and dims, small width (as tests/test_graphs_gpu.py)."""
-    return tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=16,
-                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                       linear_key_head_dim=128, linear_value_head_dim=128)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +49,7 @@ def fast_autotune():
 def served(fast_autotune):
     """A bank process's passes (its documents written through them) and a scorer process's passes
     on the same bank, each from its own builder, as the two services build them."""
-    cfg = small_config()
+    cfg = kev4b_heads_config()
     model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).cuda().fuse_projections()
     bank = Bank.allocate(cfg, num_slots=16, num_blocks=16 * 36, block_size=64, dtype=torch.bfloat16,
                          device="cuda", max_doc_tokens=2304)

@@ -14,17 +14,12 @@ import torch
 from kev.bank.bank import Bank
 from kev.ops.triton_ops import TritonOps
 from kev.runner import Runner
-from random_models import random_model, tiny_config
+from random_models import random_model
+from kernel_support import kev4b_heads_config
 
 pytestmark = pytest.mark.gpu
 
 CHUNK = 4096
-
-
-def small_config():
-    return tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=16,
-                       num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                       linear_key_head_dim=128, linear_value_head_dim=128)
 
 
 def peak_of(runner, doc, handle) -> int:
@@ -37,7 +32,7 @@ def peak_of(runner, doc, handle) -> int:
 
 
 def test_long_document_peak_memory_within_bound():
-    cfg = small_config()
+    cfg = kev4b_heads_config()
     model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).cuda().fuse_projections()
     n_long = 3 * CHUNK - 100
     pages = -(-n_long // 64)
