@@ -5,7 +5,8 @@
           v
     pending[doc_key]: a job per distinct document; concurrent Acquires of one document join it
           |
-    worker thread: drains the queue (waits up to max_wait for more), allocates a slot per new
+    worker thread: drains the queue (waits up to max_wait for more; on CUDA a pass that fits a
+    graph bucket takes no document that would make it fit none), allocates a slot per new
     document (evicting LRU unpinned entries when full), runs ONE state pass for the batch,
     then registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
     Idle (nothing queued), it captures one queued CUDA graph at a time (kev/passes.py; CUDA only).
@@ -185,12 +186,15 @@ class Acquirer:
                 break
             self._cv.wait(remaining)
         batch = [self._queue.popleft()]
-        tokens = len(batch[0].tokens)
+        tokens = longest = len(batch[0].tokens)
         while self._queue and len(batch) < self.max_pass_documents \
                 and tokens + len(self._queue[0].tokens) <= self.max_pass_tokens:
+            grown = max(longest, len(self._queue[0].tokens))
+            if self.passes.state_bucketed(len(batch), longest) and not self.passes.state_bucketed(len(batch) + 1, grown):
+                break  # the next document would push a bucketed pass off the CUDA graphs (docs/decisions.md)
             job = self._queue.popleft()
             batch.append(job)
-            tokens += len(job.tokens)
+            tokens, longest = tokens + len(job.tokens), grown
         self.metrics.queue_depth.set(len(self._queue))
         return batch
 

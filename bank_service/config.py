@@ -38,7 +38,7 @@ class BankConfig:
     node: str = ""  # directory namespace of this bank; default: the host name
     ops: str = ""  # kev.ops backend for state passes ("torch" | "triton"); "": torch on CPU, triton on CUDA
     graph_docs: str = DEFAULT_DOC_BUCKETS  # KEV_GRAPH_DOCS: state buckets (DxL) captured at start-up on CUDA
-    max_graphs: int = 16  # KEV_MAX_GRAPHS: CUDA graphs kept (LRU); 0: none
+    max_graphs: int = 24  # KEV_MAX_GRAPHS: CUDA graphs kept (LRU); 0: none
     block_size: int = 64  # tokens per paged K/V block
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)

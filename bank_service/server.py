@@ -167,6 +167,7 @@ class BankService:
         loaded = LoadedModel.load(cfg.checkpoint, cfg.adapter, device=cfg.device,
                                   limits=Limits(max_document_tokens=cfg.max_document_tokens))
         self.model_id, self.vocab_size = loaded.model_id, loaded.model.cfg.vocab_size
+        log.info("weights loaded in %.1f s", time.perf_counter() - t0)
         dtype = next(loaded.model.parameters()).dtype
         self.shared = SharedBank.create(
             loaded.model.cfg, cfg.memory_bytes, instance=self.instance, dtype=dtype, device=cfg.device,

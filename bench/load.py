@@ -6,7 +6,8 @@ loop, so the offered load is the client count. Measured per run, after an option
 
 - requests/s: requests answered in the window / (last answer - window start)
 - latency p50/p90/p99/mean/max: the RPC alone, client side (request building excluded)
-- errors by gRPC status (any non-OK; an OK reply missing an answer counts as `MISSING_ANSWER`)
+- errors by gRPC status (any non-OK; an OK reply missing an answer counts as `MISSING_ANSWER`),
+  and the first error message of each status (`error_messages`), both in the progress line too
 - bank hit ratio: share of answered requests whose `usage.cached_state_tokens` > 0; and, when the
   scorer's Prometheus endpoint is given (`--metrics-url`), the scorer's own hit ratio, rows and row
   tokens per row pass from the difference of two scrapes around the window
@@ -52,6 +53,7 @@ class Outcome:
     start: float  # perf_counter at send
     latency_s: float
     code: str  # gRPC status name, or MISSING_ANSWER
+    message: str  # the status details of an error ("" when OK)
     cached: bool
     doc_tokens: int
     questions: int
@@ -67,7 +69,10 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
 
     The window ends after `duration_s` or once `max_requests` were sent, whichever comes first
-    (in-flight requests are awaited and counted)."""
+    (in-flight requests are awaited and counted). Shutdown order: the clients stop claiming, are
+    joined, and only then are the channels closed; an interrupt (Ctrl-C, or SIGTERM turned into
+    SystemExit by bench/load_compare.py) sets the stop flag and closes the channels at once, which
+    cancels in-flight calls, and a client that finds its channel closed then just leaves."""
     if duration_s is None and max_requests is None:
         raise ValueError("give a duration or a request count")
     channels = [grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20),
@@ -98,16 +103,23 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
         while claim():
             item = stream.next()
             start = time.perf_counter()
+            message = ""
             try:
                 reply = call(item.payload, timeout=timeout_s, metadata=((AFFINITY_HEADER, item.affinity),))
                 code = "OK" if len(reply.answers) == item.questions else "MISSING_ANSWER"
+                if code != "OK":
+                    message = f"{len(reply.answers)} answers for {item.questions} questions"
                 cached = reply.usage.cached_state_tokens > 0
             except grpc.RpcError as e:
-                code, cached = e.code().name, False
+                code, message, cached = e.code().name, e.details() or "", False
+            except ValueError as e:  # "Cannot invoke RPC on closed channel!": only once an interrupt closed it
+                if stop.is_set() and "closed channel" in str(e):
+                    return
+                raise
             latency = time.perf_counter() - start
-            if start >= window_start:
+            if start >= window_start and not stop.is_set():
                 with lock:
-                    outcomes.append(Outcome(start, latency, code, cached, item.doc_tokens, item.questions))
+                    outcomes.append(Outcome(start, latency, code, message, cached, item.doc_tokens, item.questions))
 
     threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
     for t in threads:
@@ -121,13 +133,17 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
         before = scrape(metrics_url)
         for t in threads:
             t.join()
-    except KeyboardInterrupt:
+    except BaseException:  # KeyboardInterrupt, or SystemExit from a SIGTERM handler
         stop.set()
+        for ch in channels:  # cancels the in-flight calls, so the clients leave now
+            ch.close()
+        for t in threads:
+            t.join(timeout=5.0)
         raise
     finally:
         progress.stop()
-        for ch in channels:
-            ch.close()
+    for ch in channels:  # every client has returned: nothing can call a closed channel
+        ch.close()
     after = scrape(metrics_url)
     result = summarize(outcomes, window_start)
     result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
@@ -145,11 +161,16 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def summarize(outcomes: list[Outcome], window_start: float) -> dict:
     ok = [o for o in outcomes if o.code == "OK"]
     errors = Counter(o.code for o in outcomes if o.code != "OK")
+    messages: dict[str, str] = {}
+    for o in sorted(outcomes, key=lambda o: o.start):
+        if o.code != "OK":
+            messages.setdefault(o.code, o.message)
     lat = sorted(o.latency_s * 1e3 for o in ok)
     elapsed = max((o.start + o.latency_s for o in outcomes), default=window_start) - window_start
     nan_if_empty = lambda xs, f: f(xs) if xs else math.nan  # noqa: E731
     return {
         "requests": len(outcomes), "ok": len(ok), "errors": dict(errors), "error_count": sum(errors.values()),
+        "error_messages": messages,
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": len(ok) / elapsed if elapsed > 0 else 0.0,
         "p50_ms": percentile(lat, 0.50), "p90_ms": percentile(lat, 0.90), "p99_ms": percentile(lat, 0.99),
@@ -224,8 +245,9 @@ class Progress:
         ok = sorted(o.latency_s * 1e3 for o in done if o.code == "OK")
         err = len(done) - len(ok)
         rate = len(ok) / max(now - self.window_start, 1e-9)
-        return (f"[{self.label}] {now - self.window_start:6.1f} s  {len(ok):7d} ok  {err:4d} err  "
+        line = (f"[{self.label}] {now - self.window_start:6.1f} s  {len(ok):7d} ok  {err:4d} err  "
                 f"{rate:8.1f} req/s  p50 {percentile(ok, 0.5):8.1f} ms  p99 {percentile(ok, 0.99):8.1f} ms")
+        return line + (f"  errors {error_summary(done)}" if err else "")
 
     def _run(self) -> None:
         every = 0.5 if self.tty else 5.0
@@ -234,6 +256,16 @@ class Progress:
             sys.stderr.flush()
         if self.tty:
             sys.stderr.write("\r")
+
+
+def error_summary(outcomes: list[Outcome], width: int = 160) -> str:
+    """'UNAVAILABLE x12 (first: "..."), INTERNAL x3 (first: "...")': counts by status, first messages."""
+    counts = Counter(o.code for o in outcomes if o.code != "OK")
+    first: dict[str, str] = {}
+    for o in outcomes:
+        if o.code != "OK":
+            first.setdefault(o.code, o.message)
+    return ", ".join(f"{code} x{n} (first: {first[code][:width]!r})" for code, n in counts.most_common())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.load_plots import plot_sweeps
 
         plot_sweeps({"kev": runs}, args.plot, title=args.workload)
+    for r in runs:
+        if r["error_count"]:
+            print(f"x{r['clients']}: {r['error_count']} errors {r['errors']}; first messages {r['error_messages']}",
+                  file=sys.stderr)
     errors = sum(r["error_count"] for r in runs)
     return 1 if errors else 0
 

@@ -10,6 +10,13 @@ Right padding needs no attention mask (every layer is causal, so real positions 
 padding). `--max-batch-tokens` (padded rows x longest sequence) caps a forward's size; a forward
 that runs out of GPU memory is split in halves and retried, and the split is logged.
 
+Naive in algorithm, not handicapped by cold compiles: a forward's shape is bucketed (rows padded
+with whole padding rows up to 1, 2, 4, 8, 16, 24, 32, 48, ... 512; the width up to a multiple of
+`--length-multiple`, 16: no compute is added to a fixed-length workload, whose width is the same in
+every batch, and Triton's integer specialisation is by 16), and `--warm-widths` / `--warm-rows` run
+every such shape once before the server reports SERVING (bench/load_compare.py passes the shapes its
+sweep will use), so fla's autotuning and Triton's compiles happen before the measurement, never in it.
+
 It exposes the scorer's metric names (`kev_scorer_rows_per_pass`, `kev_scorer_tokens_per_pass`
 = padded tokens per forward, `kev_scorer_row_pass_seconds`) so bench/load.py reads both alike.
 Usage is reported with `cached_state_tokens` 0 (nothing is ever cached).
@@ -55,6 +62,7 @@ HF_MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
 KERNEL_GLOBALS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                   "causal_conv1d_update")
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+PAD_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)  # rows of a padded forward
 _TOKEN_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -100,11 +108,19 @@ class Pending:
     model_ms: float = 0.0
 
 
+def padded_rows(rows: int) -> int:
+    """Rows of the padded forward: the next of PAD_ROWS, beyond them the next multiple of 128."""
+    return next((r for r in PAD_ROWS if r >= rows), -(-rows // 128) * 128)
+
+
 class BaselineScorer:
     """The model, head and prompt builder, and the one-padded-forward scoring of a batch."""
 
     def __init__(self, checkpoint: str | Path, device: str = "cpu", max_document_tokens: int = 65536,
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = "sdpa", length_multiple: int = 16):
+        if length_multiple < 1:
+            raise ValueError(f"length_multiple must be >= 1, got {length_multiple}")
+        self.length_multiple = length_multiple
         from transformers import Qwen3_5TextConfig
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
@@ -137,19 +153,38 @@ class BaselineScorer:
             for row in req.rows:
                 seqs.append(req.document_ids + row.prompt.ids)
                 picks.append([base + row.prompt.decide_index, *(base + i for i in row.prompt.option_end_indices)])
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)  # right padding with id 0
+        rows, width = self.padded_shape(prepared)
+        ids = torch.zeros(rows, width, dtype=torch.long)  # right padding with id 0; whole padding rows
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
-        hidden = self.model(input_ids=ids.to(self.device), use_cache=False).last_hidden_state  # [N, T, d]
+        hidden = self.model(input_ids=ids.to(self.device), use_cache=False).last_hidden_state  # [R, W, d]
         rows = torch.tensor([i for i, p in enumerate(picks) for _ in p], device=self.device)
         cols = torch.tensor([c for p in picks for c in p], device=self.device)
         return answer_rows(self.head, prepared, hidden[rows, cols])  # [P, d]: decide, option ends per row
 
-    def padded_tokens(self, prepared: list[PreparedRequest]) -> int:
+    def padded_shape(self, prepared: list[PreparedRequest]) -> tuple[int, int]:
+        """(rows, width) of the padded forward: bucketed, so few shapes ever run."""
         rows = sum(len(r.rows) for r in prepared)
         width = max(len(r.document_ids) + len(q.prompt.ids) for r in prepared for q in r.rows)
+        return padded_rows(rows), -(-width // self.length_multiple) * self.length_multiple
+
+    def padded_tokens(self, prepared: list[PreparedRequest]) -> int:
+        rows, width = self.padded_shape(prepared)
         return rows * width
+
+    @torch.inference_mode()
+    def warm(self, widths: list[int], max_rows: int, max_batch_tokens: int) -> list[tuple[int, int]]:
+        """One forward of every padded shape (rows bucket <= the bucket of `max_rows`, width rounded
+        up) that `max_batch_tokens` admits; returns the shapes run."""
+        top = padded_rows(max_rows)
+        shapes = [(r, -(-w // self.length_multiple) * self.length_multiple)
+                  for w in sorted(set(widths)) for r in PAD_ROWS if r <= top]
+        shapes = [(r, w) for r, w in dict.fromkeys(shapes) if r == 1 or r * w <= max_batch_tokens]
+        for r, w in shapes:
+            self.model(input_ids=torch.zeros(r, w, dtype=torch.long, device=self.device), use_cache=False)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return shapes
 
 
 class BaselineBatcher:
@@ -298,16 +333,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=786432, help="padded tokens per forward at most")
     p.add_argument("--max-document-tokens", type=int, default=65536)
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    p.add_argument("--length-multiple", type=int, default=16, help="a forward's width is padded to a multiple")
+    p.add_argument("--warm-widths", default="", help="comma-separated sequence lengths (document + row) "
+                   "whose padded shapes run once before SERVING")
+    p.add_argument("--warm-rows", type=int, default=0, help="most rows a forward of the load will hold")
     args = p.parse_args(argv)
 
+    log.info("starting: %s", vars(args))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if not args.device.startswith("cuda"):
         use_torch_paths()
     start = time.perf_counter()
-    scorer = BaselineScorer(args.checkpoint, args.device, args.max_document_tokens)
+    scorer = BaselineScorer(args.checkpoint, args.device, args.max_document_tokens,
+                            length_multiple=args.length_multiple)
     log.info("loaded %s on %s in %.1f s; kernels: %s", scorer.model_id, args.device, time.perf_counter() - start,
              kernel_paths())
+    widths = [int(w) for w in args.warm_widths.split(",") if w.strip()]
+    if widths and args.warm_rows:
+        t0 = time.perf_counter()
+        shapes = scorer.warm(widths, args.warm_rows, args.max_batch_tokens)
+        log.info("warmed %d padded shapes (rows x width) in %.1f s: %s", len(shapes), time.perf_counter() - t0,
+                 ", ".join(f"{r}x{w}" for r, w in shapes))
     batcher = BaselineBatcher(scorer, args.max_requests, args.max_batch_tokens)
     service = BaselineService(scorer, batcher)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

@@ -17,10 +17,18 @@ runs them in the same pass shapes): `gathered` reads the very states `kev`'s sam
 their probabilities must be bit-identical; the baseline's largest difference from the project's is
 recorded (bf16 on GPU: not expected to be zero).
 
-Writes `<out-dir>/load_<workload>.json` per workload: `commit`, `gpu`, `clients`, `requests_per_s`,
-`p50_ms`, `p90_ms`, `p99_ms`, `errors` (by gRPC status), bank hit ratio and rows per pass for the
+Start-up captures only what the workloads use (bench/load_startup.py: `--graph-rows`, `--graph-docs`,
+`--gathered-max-prefix-tokens`, the baseline's warm shapes; `default` keeps a service's own setting),
+and the log says where each service's start-up time went (weights, class warm-up, graph captures).
+
+Writes `<out-dir>/load_<workload>.json` per workload, rewritten after every run of every system, so a
+run cut short (a `timeout`) leaves what it measured: `missing` lists the systems not (yet) measured
+and `complete` is false until none is. Fields: `commit`, `gpu`, `clients`, `requests_per_s`,
+`p50_ms`, `p90_ms`, `p99_ms`, `errors` (by gRPC status, with `error_messages`: the first message of
+each), bank hit ratio and rows per pass for the
 project, the same fields in `gathered` and `baseline`, the sweep of every system, the ratio to the
-baseline, the identity check, package versions and the exact command; with `--sweep`, also
+baseline, the identity check, `startup` (seconds per service), package versions and the exact
+command; with `--sweep`, also
 `load_<workload>.png` (requests/s and p99 against clients). Exit status 1 on any error or mismatch.
 
 GPU (Kev-4B shapes, random bf16 weights written once to /tmp/kev-4b-random). The H200 machine has
@@ -31,7 +39,7 @@ no redis-server and lacks grpcio-health-checking, grpcio-reflection and redis-py
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl .whl_load/*.whl && export PYTHONPATH=/tmp/site PATH=$PWD/.redis_carry:$PATH KEV_COMMIT=<sha>
     python3 bench/device_check.py && timeout 570 python3 -m bench.load_compare --device cuda \
-        --workload six-short --sweep 1,8,32,64 --duration 12 --out-dir $OUT
+        --workload six-short --sweep 1,8,32,64 --duration 8 --warmup-s 2 --out-dir $OUT
 
 CPU (a tiny random checkpoint; documents scaled down):
 
@@ -42,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import math
 import os
 import shutil
 import signal
@@ -54,15 +61,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.load import SCORE_METHOD, add_run_args, environment, json_safe, run_load
-from bench.load_workloads import WORKLOADS, LoadRequest, RequestStream, TextMaker, load_builder
+from bench.load import add_run_args, environment, json_safe, run_load
+from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, format_breakdown,
+                                longest_document, row_plan, startup_breakdown)
+from bench.load_report import report, sample_answers, write_quietly
+from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from bench.random_checkpoint import write_random_checkpoint
 from kev.stack import REPO_ROOT, Proc, Stack, free_port
-from kev.v1 import scorer_pb2 as pb
 
 SYSTEMS = ("kev", "gathered", "baseline")
-HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "bank_hit_ratio",
-            "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "requests", "elapsed_s")
 START_TIMEOUT_S = 900.0  # Kev-4B: 8 GB of weights per process, then warm-up and autotune
 
 
@@ -75,31 +82,45 @@ class Running:
 
     def __init__(self, addr: str, metrics_url: str, stop, logs):
         self.addr, self.metrics_url, self.stop, self.logs = addr, metrics_url, stop, logs
+        self.startup: dict | None = None
 
 
-def start_stack(checkpoint: Path, args, with_gathered: bool) -> tuple[Stack, dict[str, Running]]:
-    """The stack with the `kev` scorer, and the `gathered` one beside it on the same bank."""
+def start_stack(checkpoint: Path, args, with_gathered: bool) -> tuple[Stack, dict[str, Running], dict]:
+    """The stack with the `kev` scorer, and the `gathered` one beside it on the same bank; and the
+    start-up breakdown (wall seconds, and per service what its log says)."""
     dev = args.device
     ports = {"kev": free_port(), "gathered": free_port()}
+    graphs = {"KEV_GRAPH_ROWS": args.graph_rows} if args.graph_rows != "default" else {}
+    bank_graphs = {"KEV_GRAPH_DOCS": args.graph_docs} if args.graph_docs != "default" else {}
+    if bank_graphs and args.graph_docs != "none":
+        bank_graphs["KEV_MAX_GRAPHS"] = str(max(24, len(args.graph_docs.split(",")) + 8))  # room for idle captures
     stack = Stack(checkpoint, bank_memory_bytes=int(args.bank_gb * 2**30), max_document_tokens=args.max_document_tokens,
                   scorer_env={"KEV_DEVICE": dev, "KEV_OPS": "torch" if dev == "cpu" else "triton",
-                              "KEV_METRICS_PORT": str(ports["kev"])},
-                  bank_env={"KEV_DEVICE": dev},
+                              "KEV_METRICS_PORT": str(ports["kev"]), **graphs},
+                  bank_env={"KEV_DEVICE": dev, **bank_graphs},
                   bank_flags=["--ops", "torch" if dev == "cpu" else "triton", "--avg-doc-tokens",
                               str(args.avg_doc_tokens), *args.bank_flag],
                   scorer_flags=list(args.scorer_flag), torch_threads=args.torch_threads,
                   start_timeout_s=START_TIMEOUT_S)
+    start = time.perf_counter()
     stack.start()
+    walls = {"bank_and_kev_scorer_s": round(time.perf_counter() - start, 1)}
     try:
         if with_gathered:
-            stack.add_scorer(env={"KEV_OPS": "gathered", "KEV_METRICS_PORT": str(ports["gathered"])})
+            start = time.perf_counter()
+            stack.add_scorer(env={"KEV_OPS": "gathered", "KEV_METRICS_PORT": str(ports["gathered"]),
+                                  "KEV_GATHERED_MAX_PREFIX_TOKENS": str(args.gathered_max_prefix_tokens)})
+            walls["gathered_scorer_s"] = round(time.perf_counter() - start, 1)
     except BaseException:
         stack.stop()
         raise
     logs = lambda: {p.name: p.log_tail(2000) for p in (stack.bank, *stack.scorers) if p is not None}  # noqa: E731
     running = {name: Running(addr, f"http://127.0.0.1:{ports[name]}/metrics", stack.stop, logs)
                for name, addr in zip(("kev", "gathered"), stack.scorer_addrs)}
-    return stack, running
+    startup = {"wall": walls}
+    for name, proc in zip(("bank", "kev", "gathered"), (stack.bank, *stack.scorers)):
+        startup[name] = startup_breakdown(proc.log_path.read_text(errors="replace"))
+    return stack, running, startup
 
 
 def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
@@ -109,7 +130,8 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "bench.load_baseline", "--checkpoint", str(checkpoint), "--device", args.device,
            "--listen", addr, "--metrics-port", str(metrics_port), "--max-batch-tokens", str(args.baseline_max_batch_tokens),
-           "--max-document-tokens", str(args.max_document_tokens), "--torch-threads", str(args.torch_threads)]
+           "--max-document-tokens", str(args.max_document_tokens), "--torch-threads", str(args.torch_threads),
+           "--warm-widths", ",".join(map(str, args.baseline_warm_widths)), "--warm-rows", str(args.baseline_warm_rows)]
     proc = Proc("baseline", cmd, env, workdir / "baseline.log")
     proc.start()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -126,104 +148,46 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    return Running(addr, f"http://127.0.0.1:{metrics_port}/metrics", proc.stop, lambda: {"baseline": proc.log_tail(2000)})
-
-
-# ---------------------------------------------------------------------------------------------
-# the answer comparison
-
-
-def sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float) -> list[dict[str, list[float]] | str]:
-    """Each request's probabilities per question (option order), sent one at a time; an error's status name."""
-    out = []
-    with grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
-        call = channel.unary_unary(SCORE_METHOD, request_serializer=None,
-                                   response_deserializer=pb.ScoreQuestionsResponse.FromString)
-        for item in sample:
-            try:
-                reply = call(item.payload, timeout=timeout_s)
-            except grpc.RpcError as e:
-                out.append(e.code().name)
-                continue
-            answers = {}
-            for name, q in item.request.questions.items():
-                a = reply.answers[name]
-                kind = a.WhichOneof("answer")
-                if kind == "noul":
-                    answers[name] = [a.noul.p_yes]
-                elif kind == "choice":
-                    answers[name] = [a.choice.probabilities[c.name] for c in q.options]
-                else:
-                    answers[name] = list(a.score.probabilities)
-            out.append(answers)
-    return out
-
-
-def compare(ours: list, theirs: list) -> dict:
-    """Bit-identity and the largest absolute difference of two systems' sample answers."""
-    questions = mismatched = failed = 0
-    worst = 0.0
-    for a, b in zip(ours, theirs, strict=True):
-        if isinstance(a, str) or isinstance(b, str):
-            failed += 1
-            continue
-        for name, pa in a.items():
-            pb_ = b.get(name, [])
-            questions += 1
-            if pa != pb_:
-                mismatched += 1
-                worst = max(worst, max((abs(x - y) for x, y in zip(pa, pb_)), default=math.inf))
-    return {"sample_requests": len(ours), "questions": questions, "failed_requests": failed,
-            "mismatched_questions": mismatched, "max_abs_diff": worst,
-            "identical": failed == 0 and mismatched == 0 and questions > 0}
+    running = Running(addr, f"http://127.0.0.1:{metrics_port}/metrics", proc.stop,
+                      lambda: {"baseline": proc.log_tail(2000)})
+    running.startup = startup_breakdown(proc.log_path.read_text(errors="replace"))
+    return running
 
 
 # ---------------------------------------------------------------------------------------------
 # the run
 
 
-def measure(system: str, running: Running, checkpoint: Path, args, workloads: list[str], seed: int) -> dict:
-    """Per workload: the sample answers and the runs (sweep or one client count)."""
+def measure(system: str, running: Running, checkpoint: Path, args, workloads: list[str], seed: int,
+            results: dict, save) -> None:
+    """Per workload: the sample answers, then the runs (sweep or one client count), each stored in
+    `results[system][workload]` and saved (`save()`) as soon as it is done."""
     model_id, tokenizer, builder = load_builder(checkpoint, args.max_document_tokens)
     maker = TextMaker(tokenizer, builder)
-    out = {}
     for name in workloads:
         stream = RequestStream(maker, model_id, WORKLOADS[name].scaled(args.scale), seed)
-        answers = sample_answers(running.addr, stream.sample(args.sample), args.timeout_s)
-        runs = [run_load(running.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
-                         warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=running.metrics_url,
-                         label=f"{system} {name} x{n}")
-                for n in (args.sweep or [args.clients])]
-        out[name] = {"sample": answers, "runs": runs}
-    return out
+        entry = results.setdefault(system, {})[name] = {"sample": sample_answers(running.addr, stream.sample(args.sample),
+                                                                                  args.timeout_s), "runs": []}
+        for n in args.sweep or [args.clients]:
+            entry["runs"].append(run_load(running.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
+                                          warmup_s=args.warmup_s, timeout_s=args.timeout_s,
+                                          metrics_url=running.metrics_url, label=f"{system} {name} x{n}"))
+            save()
+        entry["done"] = True
+        save()
 
 
-def headline(runs: list[dict], clients: int) -> dict:
-    run = next((r for r in runs if r["clients"] == clients), runs[-1])
-    return {k: run.get(k) for k in HEADLINE}
-
-
-def report(name: str, results: dict, skipped: dict, args, env: dict, checkpoint: Path) -> dict:
-    kev = results["kev"][name]
-    out = {**{k: env[k] for k in ("commit", "gpu")}, "workload": name, "device": args.device,
-           "model": ("Kev-4B shapes, random bf16 weights" if args.device != "cpu" else "tiny random fp32 (CPU)"),
-           "checkpoint": str(checkpoint), "scale": args.scale,
-           **headline(kev["runs"], args.clients), "sweep": kev["runs"]}
-    for system in ("gathered", "baseline"):
-        if system in results:
-            out[system] = {**headline(results[system][name]["runs"], args.clients),
-                           "sweep": results[system][name]["runs"]}
-        else:
-            out[system] = {"skipped": skipped.get(system, "not requested")}
-    if "baseline" in results and out["baseline"]["requests_per_s"]:
-        out["speedup_vs_baseline"] = out["requests_per_s"] / out["baseline"]["requests_per_s"]
-        out["baseline_answers"] = compare(kev["sample"], results["baseline"][name]["sample"])
-    if "gathered" in results:
-        out["gathered_bit_identical"] = compare(kev["sample"], results["gathered"][name]["sample"])
-    out["settings"] = {k: v for k, v in vars(args).items() if k not in ("workload",)}
-    out["packages"], out["python"], out["host"], out["command"] = (env["packages"], env["python"], env["host"],
-                                                                   env["command"])
-    return out
+def apply_startup_defaults(args, workloads: list[str]) -> None:
+    """`auto` start-up settings from the workloads (bench/load_startup.py)."""
+    used = [WORKLOADS[w].scaled(args.scale) for w in workloads]
+    if args.graph_rows == "auto":
+        args.graph_rows = row_plan(used)
+    if args.graph_docs == "auto":
+        args.graph_docs = doc_plan(used)
+    if args.gathered_max_prefix_tokens is None:
+        args.gathered_max_prefix_tokens = longest_document(used)
+    args.baseline_warm_widths = baseline_warm_widths(used)
+    args.baseline_warm_rows = baseline_warm_rows(used, args.sweep or [args.clients])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-document-tokens", type=int, default=65536)
     p.add_argument("--baseline-max-batch-tokens", type=int, default=786432)
     p.add_argument("--torch-threads", type=int, default=None, help="per service process (default 1 on CPU, 4 on GPU)")
+    p.add_argument("--graph-rows", default="auto", help="scorers' start-up row buckets (KEV_GRAPH_ROWS): 'auto' "
+                   "(the workloads' row length, 1..96 rows), 'default' (the scorer's own), 'none' or a list RxL,...")
+    p.add_argument("--graph-docs", default="auto", help="the bank's start-up state buckets (KEV_GRAPH_DOCS): 'auto' "
+                   "(the workloads' document lengths, 1..64 documents), 'default', 'none' or a list DxL,...")
+    p.add_argument("--gathered-max-prefix-tokens", type=int, default=None,
+                   help="KEV_GATHERED_MAX_PREFIX_TOKENS of the gathered scorer (default: the longest document)")
     p.add_argument("--bank-flag", action="append", default=[], help="extra bank_service flag (repeatable)")
     p.add_argument("--scorer-flag", action="append", default=[], help="extra scorer_service flag (repeatable)")
     add_run_args(p)
@@ -261,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         args.torch_threads = 4 if on_gpu else 1
     if args.sweep and args.clients not in args.sweep:
         args.clients = max(args.sweep)
+    apply_startup_defaults(args, workloads)
+    print(f"== start-up plan: KEV_GRAPH_ROWS={args.graph_rows} KEV_GRAPH_DOCS={args.graph_docs} "
+          f"KEV_GATHERED_MAX_PREFIX_TOKENS={args.gathered_max_prefix_tokens} baseline warm widths "
+          f"{args.baseline_warm_widths} rows <= {args.baseline_warm_rows}", file=sys.stderr, flush=True)
 
     env = environment()
     workdir = Path(tempfile.mkdtemp(prefix="kev-load-"))  # the baseline's log; the CPU checkpoint
@@ -272,20 +246,31 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = write_random_checkpoint(where, "kev-4b" if on_gpu else "tiny", args.device)
 
     skipped = {} if on_gpu else {"gathered": "CPU run: the gathered ops are Triton kernels (GPU only)"}
+    systems = [s for s in systems if s not in skipped]
     results: dict[str, dict] = {}
+    startup: dict = {}
+
+    def save() -> None:
+        for name in workloads:
+            write_quietly(Path(args.out_dir) / f"load_{name}.json",
+                          report(name, results, systems, skipped, args, env, checkpoint, startup))
 
     def measure_all(system: str, running: Running, seed: int) -> None:
         try:
-            results[system] = measure(system, running, checkpoint, args, workloads, seed)
+            measure(system, running, checkpoint, args, workloads, seed, results, save)
         except BaseException:
             for proc, tail in running.logs().items():
                 print(f"--- {proc} log tail ---\n{tail}", file=sys.stderr)
             raise
 
+    save()  # every system missing: a run killed during start-up still leaves its settings
     start = time.perf_counter()
     print("== stack: starting", file=sys.stderr, flush=True)
-    stack, running = start_stack(checkpoint, args, "gathered" in systems)
+    stack, running, startup["stack"] = start_stack(checkpoint, args, "gathered" in systems)
     print(f"== stack: serving after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    for name in ("bank", "kev", "gathered"):
+        if name in startup["stack"]:
+            print(f"   {format_breakdown(name, startup['stack'][name])}", file=sys.stderr, flush=True)
     try:
         measure_all("kev", running["kev"], args.seed)
         if "gathered" in systems:
@@ -296,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         print("== baseline: starting", file=sys.stderr, flush=True)
         baseline = start_baseline(checkpoint, args, workdir)
-        print(f"== baseline: serving after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        startup["baseline"] = {"wall_s": round(time.perf_counter() - start, 1), **(baseline.startup or {})}
+        print(f"== baseline: serving after {time.perf_counter() - start:.0f} s; "
+              f"{format_breakdown('baseline', startup['baseline'])}", file=sys.stderr, flush=True)
         try:
             measure_all("baseline", baseline, args.seed)
         finally:
@@ -304,21 +291,26 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = False
     for name in workloads:
-        out = report(name, results, skipped, args, env, checkpoint)
-        path = Path(args.out_dir) / f"load_{name}.json"
+        out = report(name, results, systems, skipped, args, env, checkpoint, startup)
         from bench.common import write_json
 
-        write_json(str(path), json_safe(out))
-        errors = out["error_count"] + sum(out[s].get("error_count") or 0 for s in ("gathered", "baseline"))
+        write_json(str(Path(args.out_dir) / f"load_{name}.json"), json_safe(out))
+        per_system = {"kev": out} | {s: out[s] for s in ("gathered", "baseline") if "sweep" in out[s]}
+        errors = sum(o.get("error_count") or 0 for o in per_system.values())
         identical = out.get("gathered_bit_identical", {}).get("identical")
-        failed |= errors > 0 or identical is False
+        failed |= errors > 0 or identical is False or not out["complete"]
         if args.sweep and len(args.sweep) > 1:
             from bench.load_plots import plot_sweeps
 
-            plot_sweeps({s: results[s][name]["runs"] for s in results}, Path(args.out_dir) / f"load_{name}.png",
-                        title=f"{name} ({out['gpu']})")
+            plot_sweeps({s: results[s][name]["runs"] for s in results if name in results[s]},
+                        Path(args.out_dir) / f"load_{name}.png", title=f"{name} ({out['gpu']})")
         print(f"{name}: kev {out['requests_per_s']:.1f} req/s p99 {out['p99_ms']:.1f} ms, errors {errors}, "
               f"gathered bit-identical: {'not run' if identical is None else identical}", file=sys.stderr)
+        for system, o in per_system.items():
+            for run in o["sweep"]:
+                if run.get("error_count"):
+                    print(f"  {system} x{run['clients']}: errors {run['errors']}; first messages "
+                          f"{run['error_messages']}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -48,11 +48,17 @@ def _bucket(value: int, sizes: Sequence[int]) -> int | None:
 
 @dataclass(frozen=True)
 class Buckets:
+    """Bucket sizes. A state bucket (D documents x L tokens each) exists only while D x L <=
+    `max_state_tokens` (the bank's default `--max-pass-tokens`): its static buffers, activations and
+    padding compute stay bounded, and a pass the bank builds under that cap usually fits one
+    (bank_service/acquire.py keeps a pass inside a bucket when it can)."""
+
     rows: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
     row_tokens: tuple[int, ...] = (16, 32, 48, 64, 96, 128)
     picks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
-    docs: tuple[int, ...] = (1, 2, 4)
+    docs: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     doc_tokens: tuple[int, ...] = (64, 128, 256, 512, 768, 1024, 1536, 2048, 2304, 2560, 3072, 4096)
+    max_state_tokens: int = 16384
 
     def row_key(self, num_rows: int, max_len: int, num_picks: int) -> GraphKey | None:
         R, L, P = _bucket(num_rows, self.rows), _bucket(max_len, self.row_tokens), _bucket(num_picks, self.picks)
@@ -60,7 +66,9 @@ class Buckets:
 
     def state_key(self, num_docs: int, max_len: int) -> GraphKey | None:
         D, L = _bucket(num_docs, self.docs), _bucket(max_len, self.doc_tokens)
-        return None if None in (D, L) else GraphKey(PassKind.STATE, D, L)
+        if D is None or L is None or D * L > self.max_state_tokens:
+            return None
+        return GraphKey(PassKind.STATE, D, L)
 
 
 @dataclass
@@ -116,9 +124,7 @@ class GraphedPasses:
     def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
         """Same as `Runner.state_pass`; short new documents (one chunk each) run bucketed."""
         lens = [len(d) for d in documents]
-        key = None
-        if lens and min(lens) > 0 and max(lens) <= self.runner.state_chunk_tokens:
-            key = self.buckets.state_key(len(lens), max(lens))
+        key = self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
         if key is None:
             self.stats.unbucketed += 1
             return self.runner.state_pass(documents, handles)
@@ -127,6 +133,13 @@ class GraphedPasses:
         entry = self._entry(key)
         entry.static.fill_state(documents, [h.slot for h in handles], self.runner.bank.block_table)
         self._run(key, entry)
+
+    def state_bucket(self, num_docs: int, max_len: int) -> GraphKey | None:
+        """The bucket a state pass of `num_docs` new documents (the longest `max_len` tokens) runs
+        in, or None: it runs the plain Runner (too many tokens, or a document longer than a chunk)."""
+        if num_docs < 1 or max_len > self.runner.state_chunk_tokens:
+            return None
+        return self.buckets.state_key(num_docs, max_len)
 
     # ---- capture -------------------------------------------------------------------------------
 

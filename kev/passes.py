@@ -47,7 +47,10 @@ log = logging.getLogger(__name__)
 
 PICKS_PER_ROW = 5  # picks capacity of a start-up row bucket given as RxL: <decide> and four </opt>
 DEFAULT_ROW_BUCKETS = ",".join([f"{r}x{n}" for n in (32, 64) for r in (1, 2, 4, 8, 16, 32, 64, 96)])  # 16 graphs
-DEFAULT_DOC_BUCKETS = ",".join(f"1x{n}" for n in (64, 128, 256, 512, 1024, 2048, 2304))  # 7 graphs
+# 13 graphs: 1..64 short documents (six-short's 48 tokens; powers of two, the rest are captured when
+# idle), 1..6 documents of 2,304 (five-long's 2,200; 6 x 2,304 is the largest under 16,384 tokens), two between.
+DEFAULT_DOC_BUCKETS = ",".join([*(f"{d}x64" for d in (1, 2, 4, 8, 16, 32, 64)), "1x256", "1x1024",
+                                *(f"{d}x2304" for d in (1, 2, 4, 6))])
 
 
 class PassRole(enum.Enum):
@@ -130,6 +133,13 @@ class ServedPasses:
         if self.graphed is not None:
             return self.graphed.state_pass(documents, handles)
         return self.runner.state_pass(documents, handles)
+
+    def state_bucketed(self, num_docs: int, max_len: int) -> bool | None:
+        """Whether a state pass of `num_docs` new documents, the longest `max_len` tokens, runs in a
+        CUDA-graph bucket (padded static shapes, a graph once captured); None: no graphs here."""
+        if self.graphed is None:
+            return None
+        return self.graphed.state_bucket(num_docs, max_len) is not None
 
     @property
     def idle_work(self) -> bool:

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
              config.ops_backend)
     metrics = ScorerMetrics()
     # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/passes.py).
-    builder = PassBuilder(loaded.model, get_ops(config.ops_backend), PassRole.ROWS, config.graph_plan)
+    ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)
+    builder = PassBuilder(loaded.model, ops, PassRole.ROWS, config.graph_plan)
     metrics.watch_graphs(lambda: builder.graph_stats)
     link = BankLink(config, loaded, builder, metrics)
     batcher = RowBatcher(link, loaded.head, metrics, max_rows_per_pass=config.max_rows_per_pass,

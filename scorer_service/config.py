@@ -57,6 +57,9 @@ class ScorerConfig:
     # Row-pass kernels: unset = torch on CPU, triton (bank-indexed) on GPU; "gathered" is the
     # gathered-state baseline (kev/ops/gathered_ops.py) that bench/load_compare.py serves side by side.
     ops: str | None = _env("KEV_OPS", None)
+    # KEV_OPS=gathered only: tokens of stored prefix a row's gathered page buffer holds. Under CUDA
+    # graphs the buffer has this fixed size, so the scorer's document limit is capped at it.
+    gathered_max_prefix_tokens: int = _env("KEV_GATHERED_MAX_PREFIX_TOKENS", 4096)
     # Flags only: knobs deployments rarely change.
     max_request_bytes: int = 16 << 20  # serialized ScoreQuestionsRequest; larger is INVALID_ARGUMENT
     grpc_threads: int = 256  # concurrent RPCs being handled (each waits on its rows)
@@ -68,7 +71,7 @@ class ScorerConfig:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be cpu or cuda[:N], got {self.device!r}")
         for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_request_bytes", "grpc_threads",
-                     "max_document_tokens", "max_row_tokens"):
+                     "max_document_tokens", "max_row_tokens", "gathered_max_prefix_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ops not in (None, *OPS_BACKENDS):
@@ -103,8 +106,16 @@ class ScorerConfig:
                          max_rows_per_pass=self.max_rows_per_pass)
 
     @property
+    def document_limit(self) -> int:
+        """Longest document this scorer takes: `max_document_tokens`, capped for the gathered ops at
+        KEV_GATHERED_MAX_PREFIX_TOKENS (longer ones are INVALID_ARGUMENT, or truncated on request)."""
+        if self.ops_backend == "gathered":
+            return min(self.max_document_tokens, self.gathered_max_prefix_tokens)
+        return self.max_document_tokens
+
+    @property
     def limits(self) -> Limits:
-        return Limits(max_document_tokens=self.max_document_tokens, max_row_tokens=self.max_row_tokens)
+        return Limits(max_document_tokens=self.document_limit, max_row_tokens=self.max_row_tokens)
 
     @property
     def transport_max_bytes(self) -> int:
@@ -118,6 +129,7 @@ class ScorerConfig:
             netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
             out["redis_url"] = urlunsplit(parts._replace(netloc=netloc))
         out["ops_backend"] = self.ops_backend
+        out["document_limit"] = self.document_limit
         return out
 
     @classmethod

@@ -366,3 +366,29 @@ def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path
     assert rc == 0, small.log_text()[-3000:]
     assert not shm[0].exists(), "SIGTERM left the shared memory file"
     assert live() == set(), "the bank's directory namespace outlived it"
+
+
+@pytest.mark.parametrize("lens,bucketed,taken", [
+    ([48] * 70, True, 64),  # max_pass_documents
+    ([2200] * 8, True, 6),  # 7 x 2,200 fits the token cap, but 8 x 2,304 is no bucket: stop at 6
+    ([2200] * 8, None, 7),  # no graphs (CPU): only the caps
+    ([9000, 48, 48], True, 3),  # a pass that fits no bucket from the start takes what the caps allow
+], ids=["short", "long-on-graphs", "long-no-graphs", "unbucketed-first"])
+def test_state_pass_batch_stays_on_the_graphs(lens, bucketed, taken):
+    """The worker's batch: up to the caps, but never grown from a bucketed pass into an unbucketed one."""
+    from types import SimpleNamespace
+
+    from bank_service.acquire import Acquirer
+    from bank_service.jobs import Job
+    from kev.graphs import Buckets
+
+    buckets = Buckets()
+    fits = (lambda d, n: buckets.state_key(d, n) is not None and n <= 8192) if bucketed else (lambda d, n: None)
+    metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
+    acq = Acquirer(SimpleNamespace(state_bucketed=fits), None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
+                   max_wait_s=0.0, max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
+    for i, n in enumerate(lens):
+        acq._queue.append(Job(f"d{i}", [1] * n, time.monotonic()))
+    with acq._cv:
+        batch = acq._take_batch()
+    assert len(batch) == taken and len(acq._queue) == len(lens) - taken

@@ -118,7 +118,12 @@ def test_bucket_keys():
     assert b.row_key(129, 32, 1) is None and b.row_key(4, 129, 1) is None and b.row_key(4, 8, 2000) is None
     assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 64)
     assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2304)
-    assert b.state_key(5, 64) is None and b.state_key(1, 4097) is None
+    assert b.state_key(5, 64) == GraphKey(PassKind.STATE, 6, 64) and b.state_key(1, 4097) is None
+    assert b.state_key(64, 48) == GraphKey(PassKind.STATE, 64, 64) and b.state_key(65, 48) is None
+    # a bucket exists only while D x L <= max_state_tokens (16,384)
+    assert b.state_key(6, 2200) == GraphKey(PassKind.STATE, 6, 2304) and b.state_key(7, 2200) is None
+    assert b.state_key(64, 256) == GraphKey(PassKind.STATE, 64, 256) and b.state_key(33, 257) is None
+    assert all(D * L <= b.max_state_tokens for D in b.docs for L in b.doc_tokens if b.state_key(D, L) is not None)
     assert GraphKey(PassKind.STATE, 1, 2304).num_slots == 2 and GraphKey(PassKind.ROWS, 6, 32).num_slots == 6
 
 
@@ -175,16 +180,23 @@ def test_first_use_policy_lru_and_fallbacks(model, fake_capture):
     assert graphed.stats.unbucketed == 2
 
 
-def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture):
+@pytest.mark.parametrize("lens,bucket", [((50, 9), (2, 64)), ((64, 1, 33, 17, 64, 5, 40), (8, 64))],
+                         ids=["2-docs", "7-docs-in-8"])
+def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture, lens, bucket):
+    """Padded state passes store exactly what Runner.state_pass stores, beyond 4 documents too
+    (documents of exactly L tokens: an empty padding sequence after them; one empty pair)."""
     g = torch.Generator().manual_seed(9)
-    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (50, 9)]
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
     banks = []
     for graphed in (False, True):
-        bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
+        bank = Bank.allocate(model.cfg, num_slots=len(docs) + 2, num_blocks=128, block_size=16)
+        bank.alloc(3)  # the documents land in other slots than 0
         runner = Runner(model, bank, CpuTritonOps())
         handles = [bank.alloc(len(d)) for d in docs]
         if graphed:
-            passes = GraphedPasses(runner, Buckets(docs=(2,), doc_tokens=(64,)), policy=CapturePolicy.ON_FIRST_USE)
+            passes = GraphedPasses(runner, Buckets(docs=(bucket[0],), doc_tokens=(bucket[1],)),
+                                   policy=CapturePolicy.ON_FIRST_USE)
+            assert passes.state_bucket(len(docs), max(lens)) == GraphKey(PassKind.STATE, *bucket)
             passes.state_pass(docs, handles)
             assert passes.stats.captures == 1 and passes.stats.replays == 1
         else:
@@ -192,3 +204,36 @@ def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture):
         banks.append(bank)
     for a, b in zip(banks[0].pools.tensors(), banks[1].pools.tensors()):
         assert torch.equal(a, b)
+
+
+def test_gathered_plan_follows_a_bucket_between_replays():
+    """GatheredOps on a CUDA-graph bucket: the gather plan is re-derived from the bucket's index
+    buffers at every call (a plan kept from the capture's synthetic fill read slot 0 and one page
+    a row: wrong states, and past the page table for 2,200-token prefixes), P comes from
+    max_prefix_tokens, and a replaced row buffer stays alive for the graphs that hold it."""
+    from kev.ops.gathered_ops import GatheredOps, PrefixTooLong
+    from kev.ops.meta import PassMeta
+
+    ops = GatheredOps(max_prefix_tokens=100)
+    sp = StaticPass(GraphKey(PassKind.ROWS, 4, 32, 8), 16, 16, "cpu")
+    ops.pin(sp.meta, sp.indices())
+    synthetic = ops.plan(sp.meta)  # as at capture: every row reads nothing
+    assert synthetic.rows.tolist() == [0] * 4 and synthetic.row_slots.tolist() == [-1] * 4
+    sp.read_slots.copy_(torch.tensor([3, 1, -1, -1]))  # a real fill, in place
+    sp.prefix_lens.copy_(torch.tensor([100, 40, 0, 0]))
+    sp.block_table[:2] = torch.arange(32, dtype=torch.int32).view(2, 16) + 7
+    plan = ops.plan(sp.meta)
+    assert plan.rows.tolist() == [3, 1, 0, 0] and plan.row_slots.tolist() == [0, 1, -1, -1]
+    pages, table = ops.page_plan(sp.meta, 16)  # P = ceil(100 / 16) = 7 pages a row
+    assert table.shape == (4, 7) and torch.equal(pages.view(4, 7)[:2], sp.block_table[:2, :7].long())
+    with pytest.raises(ValueError, match="needs max_prefix_tokens"):
+        unsized = GatheredOps()
+        unsized.pin(sp.meta, sp.indices())
+        unsized.page_plan(sp.meta, 16)
+    one_pass = PassMeta(torch.tensor([0, 5]), torch.tensor([3]), torch.tensor([-1]), torch.tensor([150]),
+                        sp.block_table[:1])
+    with pytest.raises(PrefixTooLong, match="150-token prefix"):
+        ops.page_plan(one_pass, 16)
+    small = ops.buffer("keys", 4, torch.zeros(1, 16, 2, 8))
+    ops.buffer("keys", 8, torch.zeros(1, 16, 2, 8))
+    assert any(b.data_ptr() == small.data_ptr() for b in ops._outgrown)

@@ -119,3 +119,113 @@ def probabilities(answer: api.Answer) -> list[float]:
     if isinstance(answer, api.ChoiceAnswer):
         return list(answer.probabilities.values())
     return list(answer.probabilities)
+
+
+def failing_server(delay_s: float = 0.0):
+    """A Scorer whose ScoreQuestions waits `delay_s`, then fails: FAILED_PRECONDITION on odd calls, INTERNAL else."""
+    import threading as _threading
+    import time as _time
+    from concurrent import futures
+
+    calls = [0]
+    lock = _threading.Lock()
+
+    def score(raw, context):
+        _time.sleep(delay_s)
+        with lock:
+            calls[0] += 1
+            odd = calls[0] % 2
+        if odd:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "document longer than the gathered buffer")
+        context.abort(grpc.StatusCode.INTERNAL, "row pass failed: boom")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    handler = grpc.unary_unary_rpc_method_handler(score, request_deserializer=None,
+                                                  response_serializer=pb.ScoreQuestionsResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kev.v1.Scorer",
+                                                                          {"ScoreQuestions": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def six_short_stream(checkpoint):
+    model_id, tokenizer, builder = load_builder(checkpoint)
+    return RequestStream(TextMaker(tokenizer, builder), model_id, WORKLOADS["six-short"], seed=1)
+
+
+def test_errors_are_counted_by_status_with_their_first_message(checkpoint, capsys):
+    server, addr = failing_server()
+    try:
+        run = load.run_load(addr, six_short_stream(checkpoint), 2, duration_s=None, max_requests=10, label="fail")
+    finally:
+        server.stop(0)
+    assert run["ok"] == 0 and run["error_count"] == run["requests"] == 10
+    assert set(run["errors"]) == {"FAILED_PRECONDITION", "INTERNAL"} and sum(run["errors"].values()) == 10
+    assert run["error_messages"] == {"FAILED_PRECONDITION": "document longer than the gathered buffer",
+                                     "INTERNAL": "row pass failed: boom"}
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # the final progress line names them too
+    assert "FAILED_PRECONDITION x" in line and "boom" in line
+
+
+def test_an_interrupt_stops_the_clients_before_the_channels_close(checkpoint, monkeypatch):
+    """SIGTERM in bench/load_compare.py is a SystemExit in the main thread while clients are calling:
+    it must propagate, and no client thread may die on the closed channel."""
+    import threading as _threading
+
+    died = []
+    monkeypatch.setattr(_threading, "excepthook", lambda args: died.append(args))
+    scrapes = [0]
+
+    def scrape(url):
+        scrapes[0] += 1
+        if scrapes[0] == 1:
+            import time as _time
+
+            _time.sleep(0.3)  # the clients are mid-call
+            raise SystemExit(143)
+        return None
+
+    monkeypatch.setattr(load, "scrape", scrape)
+    server, addr = failing_server(delay_s=0.2)
+    try:
+        with pytest.raises(SystemExit):
+            load.run_load(addr, six_short_stream(checkpoint), 8, duration_s=30, metrics_url="http://unused")
+    finally:
+        server.stop(0)
+    assert not [t for t in _threading.enumerate() if t.name.startswith("load-")], "client threads left running"
+    assert died == [], [f"{a.thread.name}: {a.exc_value!r}" for a in died]
+
+
+def test_baseline_pads_to_few_shapes():
+    from bench.load_baseline import PAD_ROWS, padded_rows
+
+    assert [padded_rows(n) for n in (1, 3, 5, 17, 25, 49, 300, 384, 513, 700)] == \
+        [1, 4, 8, 24, 32, 64, 384, 384, 640, 768]
+    assert all(b / a <= 2 for a, b in zip(PAD_ROWS, PAD_ROWS[1:]))
+
+
+def test_start_up_plans_follow_the_workloads():
+    from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, longest_document, row_plan,
+                                    startup_breakdown)
+
+    six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
+    assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,48x32,64x32,96x32"
+    assert doc_plan([six]) == "1x64,2x64,4x64,6x64,8x64,12x64,16x64,24x64,32x64,48x64,64x64"
+    assert doc_plan([five]) == "1x2304,2x2304,4x2304,6x2304"
+    both = doc_plan([six, five]).split(",")
+    assert len(both) == 15 and both[:4] == ["1x64", "1x2304", "2x64", "2x2304"]
+    assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
+    assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Runner
+    assert longest_document([six, five]) == 2200 and longest_document([mixed]) == 512
+    assert baseline_warm_widths([six, five]) == [80, 2232] and baseline_warm_rows([five], [1, 8, 64]) == 320
+    log_text = "\n".join([
+        "2026-11-29 11:40:00,000 INFO bank_service: config {}",
+        "2026-11-29 11:40:31,500 INFO bank_service.server: weights loaded in 31.5 s",
+        "2026-11-29 11:41:10,000 INFO kev.passes: autotune classes ['rows_small'] warmed in 38.2 s",
+        "2026-11-29 11:41:20,000 INFO kev.passes: captured 11 CUDA graphs in 9.9 s: [...]",
+        "2026-11-29 11:41:21,000 INFO bank_service.server: serving kev.v1.Bank as node stack (metrics port off)",
+    ])
+    assert startup_breakdown(log_text) == {"weights_s": 31.5, "class_warm_up_s": 38.2, "graph_capture_s": 9.9,
+                                           "graphs": 11, "ready_s": 81.0}
+    assert startup_breakdown("nothing")["ready_s"] is None

@@ -68,8 +68,8 @@ def test_scorer_bad_graph_settings(env, match):
 
 def test_bank_graph_settings_from_env_and_flags():
     default = BankConfig.from_env(BANK_ENV, [])
-    assert default.graph_plan == GraphPlan(rows=(), docs=parse_doc_buckets("1x64,1x128,1x256,1x512,1x1024,1x2048,"
-                                                                           "1x2304"), max_graphs=16)
+    assert default.graph_plan == GraphPlan(rows=(), docs=parse_doc_buckets(
+        "1x64,2x64,4x64,8x64,16x64,32x64,64x64,1x256,1x1024,1x2304,2x2304,4x2304,6x2304"), max_graphs=24)
     assert default.ops_backend == "triton" and default.redacted()["ops_backend"] == "triton"
     assert BankConfig.from_env({**BANK_ENV, "KEV_DEVICE": "cpu"}, []).ops_backend == "torch"
     assert BankConfig.from_env(BANK_ENV, ["--ops", "torch"]).ops_backend == "torch"  # explicit choice wins
@@ -100,6 +100,28 @@ def test_start_keys_follow_the_plan():
         PassBuilder(None, None, PassRole.ROWS, GraphPlan(rows=((4, 200, 8),))).start_keys(buckets)
     with pytest.raises(ValueError, match="at most 1 are kept"):
         PassBuilder(None, None, PassRole.STATES, GraphPlan(docs=((1, 64), (1, 128)), max_graphs=1)).start_keys(buckets)
+
+
+def test_default_doc_buckets_all_exist():
+    from kev.graphs import Buckets
+
+    keys = PassBuilder(None, None, PassRole.STATES, BankConfig.from_env(BANK_ENV, []).graph_plan).start_keys(Buckets())
+    assert len(keys) == 13 and max(k.num_tokens for k in keys) <= Buckets().max_state_tokens
+    with pytest.raises(ValueError, match="beyond the graph buckets"):  # 8 x 2,304 > 16,384 tokens
+        PassBuilder(None, None, PassRole.STATES, GraphPlan(docs=((8, 2200),))).start_keys(Buckets())
+
+
+def test_gathered_scorer_caps_its_document_limit():
+    gathered = ScorerConfig.from_env({**SCORER_ENV, "KEV_OPS": "gathered",
+                                      "KEV_GATHERED_MAX_PREFIX_TOKENS": "2200"}, [])
+    assert gathered.gathered_max_prefix_tokens == 2200 and gathered.limits.max_document_tokens == 2200
+    assert gathered.redacted()["document_limit"] == 2200
+    default = ScorerConfig.from_env({**SCORER_ENV, "KEV_OPS": "gathered"}, [])
+    assert default.limits.max_document_tokens == 4096
+    indexed = ScorerConfig.from_env({**SCORER_ENV, "KEV_GATHERED_MAX_PREFIX_TOKENS": "2200"}, [])
+    assert indexed.limits.max_document_tokens == 65536  # only the gathered ops are capped
+    with pytest.raises(ConfigError, match="gathered_max_prefix_tokens"):
+        ScorerConfig.from_env({**SCORER_ENV, "KEV_OPS": "gathered", "KEV_GATHERED_MAX_PREFIX_TOKENS": "0"}, [])
 
 
 # ---- the CPU path: a plain Runner --------------------------------------------------------------

@@ -115,9 +115,10 @@ class Ops(Protocol):
         ...
 
 
-def get_ops(backend: str) -> Ops:
+def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None) -> Ops:
     """`torch` (reference, any device), `triton` (GPU kernels reading the bank in place) or
-    `gathered` (the same kernels on states first copied into row buffers: the benchmark baseline)."""
+    `gathered` (the same kernels on states first copied into row buffers: the benchmark baseline;
+    `gathered_max_prefix_tokens` sizes its page buffer, required under CUDA graphs)."""
     if backend == "torch":
         from kev.ops.torch_ops import TorchOps
 
@@ -129,7 +130,7 @@ def get_ops(backend: str) -> Ops:
     if backend == "gathered":
         from kev.ops.gathered_ops import GatheredOps
 
-        return GatheredOps()
+        return GatheredOps(gathered_max_prefix_tokens)
     raise ValueError(f"unknown ops backend {backend!r} (expected 'torch', 'triton' or 'gathered')")
 
 

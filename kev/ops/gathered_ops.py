@@ -7,7 +7,17 @@ points into the page buffer). Writes (state passes) still go to the bank by `wri
 Everything else is identical, so indexed and gathered results must match bit for bit.
 
 The page buffer holds P = ceil(max prefix / BS) pages per row. P comes from `max_prefix_tokens`
-when given (no host sync: benchmarks and graph capture), else from the pass's host metadata.
+when given, else from the pass's host metadata (one host sync per pass).
+
+CUDA-graph buckets (`kev.static_pass`, metas given to `pin`) change their index tensors in place
+between replays, so nothing may be derived from them once and kept: for a pinned meta the gather
+plan (source slots, source pages) is recomputed on the device at every call, inside the graph
+when captured, and P must come from `max_prefix_tokens` (a bucket serves any prefix length; the
+host cannot look). A row whose prefix is longer than `max_prefix_tokens` cannot be gathered: a
+pass that is not a bucket raises `PrefixTooLong`; a bucket cannot check without a host sync, so
+the server must refuse such documents first (the scorer caps its document limit at
+KEV_GATHERED_MAX_PREFIX_TOKENS). A row buffer outgrown by a larger pass is kept alive, never
+freed: graphs captured earlier still read and write its memory.
 """
 
 from __future__ import annotations
@@ -33,48 +43,80 @@ class GatherIndices:
     page_plans: dict[int, tuple[torch.Tensor, torch.Tensor]]  # block size -> (pages [N * P] int64, table [N, P] int32)
 
 
+class PrefixTooLong(ValueError):
+    """A row's stored prefix is longer than the gathered page buffer holds (`max_prefix_tokens`)."""
+
+
 class GatheredOps(TritonOps):
     name = "gathered"
 
     def __init__(self, max_prefix_tokens: int | None = None) -> None:
         super().__init__()
+        if max_prefix_tokens is not None and max_prefix_tokens < 1:
+            raise ValueError(f"max_prefix_tokens must be >= 1, got {max_prefix_tokens}")
         self.max_prefix_tokens = max_prefix_tokens
         self._plans: weakref.WeakKeyDictionary[PassMeta, GatherIndices] = weakref.WeakKeyDictionary()
+        self._pinned: weakref.WeakSet[PassMeta] = weakref.WeakSet()  # CUDA-graph buckets' metas
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._outgrown: list[torch.Tensor] = []  # replaced buffers, kept alive for the graphs that hold them
+        self._tables: dict[tuple, torch.Tensor] = {}  # (N, P, device) -> arange(N * P).view(N, P) int32
+
+    def pin(self, meta: PassMeta, indices) -> None:
+        """As `TritonOps.pin`; the meta's gather plan is then recomputed at every call."""
+        super().pin(meta, indices)
+        self._pinned.add(meta)
 
     def buffer(self, kind: str, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """A preallocated [rows, *like.shape[1:]] row buffer (grown, never shrunk; reused by every layer)."""
+        """A preallocated [rows, *like.shape[1:]] row buffer (grown, never shrunk or freed; reused
+        by every layer and every pass)."""
         key = (kind, tuple(like.shape[1:]), like.dtype, like.device)
         buf = self._buffers.get(key)
         if buf is None or buf.shape[0] < rows:
+            if buf is not None:
+                self._outgrown.append(buf)  # a captured graph may point into it
             buf = torch.empty((max(rows, 1), *like.shape[1:]), dtype=like.dtype, device=like.device)
             self._buffers[key] = buf
         return buf[:rows]
 
     def plan(self, meta: PassMeta) -> GatherIndices:
+        """Source slots of the rows: once per pass, or at every call for a pinned (bucket) meta."""
         plan = self._plans.get(meta)
-        if plan is None:
+        if plan is None or meta in self._pinned:
             read = meta.read_slots
             arange = torch.arange(meta.num_seqs, device=read.device)
             plan = GatherIndices(rows=read.clamp(min=0), row_slots=torch.where(read >= 0, arange, -1), page_plans={})
             self._plans[meta] = plan
         return plan
 
+    def pages_per_row(self, meta: PassMeta, block_size: int) -> int:
+        """P: from `max_prefix_tokens` (required for a pinned meta), else the pass's longest prefix.
+        A pass that is not a bucket is checked against `max_prefix_tokens` (`PrefixTooLong`)."""
+        pinned = meta in self._pinned
+        if pinned and self.max_prefix_tokens is None:
+            raise ValueError("GatheredOps on a CUDA-graph bucket needs max_prefix_tokens: a bucket serves "
+                             "any prefix length and its page plan cannot be sized from the host")
+        longest = None if pinned else max(meta.host.prefix_lens, default=0)
+        if longest is not None and self.max_prefix_tokens is not None and longest > self.max_prefix_tokens:
+            raise PrefixTooLong(f"a row continues a {longest}-token prefix; the gathered page buffer holds "
+                                f"{self.max_prefix_tokens} tokens a row (max_prefix_tokens)")
+        tokens = self.max_prefix_tokens if self.max_prefix_tokens is not None else longest
+        P = max(1, -(-tokens // block_size))
+        if P > meta.block_table.shape[1]:
+            raise ValueError(f"a prefix of {tokens} tokens needs {P} pages; block_table is "
+                             f"{tuple(meta.block_table.shape)}")
+        return P
+
     def page_plan(self, meta: PassMeta, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(source pages [N * P], block table [N, P] into the page buffer) for P pages per row."""
         plans = self.plan(meta).page_plans
         if block_size not in plans:
-            N = meta.num_seqs
-            longest = self.max_prefix_tokens
-            if longest is None:
-                longest = max(meta.host.prefix_lens, default=0)
-            P = max(1, -(-longest // block_size))
-            if P > meta.block_table.shape[1]:
-                raise ValueError(f"a prefix of {longest} tokens needs {P} pages; block_table is "
-                                 f"{tuple(meta.block_table.shape)}")
+            N, P = meta.num_seqs, self.pages_per_row(meta, block_size)
             device = meta.block_table.device
-            plans[block_size] = (meta.block_table[:, :P].clamp(min=0).reshape(-1).long(),
-                                 torch.arange(N * P, dtype=torch.int32, device=device).view(N, P))
+            table = self._tables.get((N, P, device))
+            if table is None:
+                table = self._tables[(N, P, device)] = torch.arange(N * P, dtype=torch.int32,
+                                                                    device=device).view(N, P)
+            plans[block_size] = (meta.block_table[:, :P].clamp(min=0).reshape(-1).long(), table)
         return plans[block_size]
 
     def causal_conv(self, x, weight, meta: PassMeta, conv_pool):

@@ -34,8 +34,9 @@ class TorchOps(ReferenceElementwise):
             else:
                 start = x.new_zeros(x.shape[1], W - 1)
             full = torch.cat([start, x[s:e].t()], dim=1)  # [C, W-1+L]
-            y = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [C, L]
-            out[s:e] = F.silu(y).t()
+            if e > s:  # an empty sequence (a CUDA-graph bucket's padding) only carries its state over
+                y = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [C, L]
+                out[s:e] = F.silu(y).t()
             if write >= 0:
                 conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
         return out

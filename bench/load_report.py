@@ -1,0 +1,110 @@
+"""What bench/load_compare.py writes: the sample-answer comparison across systems and one
+results file per workload, built from whatever has been measured so far (a run cut short by a
+timeout still leaves a complete, honest file: `missing` names what was not measured)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import grpc
+
+from bench.load import SCORE_METHOD, json_safe
+from bench.load_workloads import LoadRequest
+from kev.v1 import scorer_pb2 as pb
+
+HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "error_messages",
+            "bank_hit_ratio",
+            "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "requests", "elapsed_s")
+
+
+def sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float) -> list[dict[str, list[float]] | str]:
+    """Each request's probabilities per question (option order), sent one at a time; an error's status name."""
+    out = []
+    with grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        call = channel.unary_unary(SCORE_METHOD, request_serializer=None,
+                                   response_deserializer=pb.ScoreQuestionsResponse.FromString)
+        for item in sample:
+            try:
+                reply = call(item.payload, timeout=timeout_s)
+            except grpc.RpcError as e:
+                out.append(e.code().name)
+                continue
+            answers = {}
+            for name, q in item.request.questions.items():
+                a = reply.answers[name]
+                kind = a.WhichOneof("answer")
+                if kind == "noul":
+                    answers[name] = [a.noul.p_yes]
+                elif kind == "choice":
+                    answers[name] = [a.choice.probabilities[c.name] for c in q.options]
+                else:
+                    answers[name] = list(a.score.probabilities)
+            out.append(answers)
+    return out
+
+
+def compare(ours: list, theirs: list) -> dict:
+    """Bit-identity and the largest absolute difference of two systems' sample answers."""
+    questions = mismatched = failed = 0
+    worst = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        if isinstance(a, str) or isinstance(b, str):
+            failed += 1
+            continue
+        for name, pa in a.items():
+            pb_ = b.get(name, [])
+            questions += 1
+            if pa != pb_:
+                mismatched += 1
+                worst = max(worst, max((abs(x - y) for x, y in zip(pa, pb_)), default=math.inf))
+    return {"sample_requests": len(ours), "questions": questions, "failed_requests": failed,
+            "mismatched_questions": mismatched, "max_abs_diff": worst,
+            "identical": failed == 0 and mismatched == 0 and questions > 0}
+
+
+def headline(runs: list[dict], clients: int) -> dict:
+    run = next((r for r in runs if r["clients"] == clients), runs[-1] if runs else {})
+    return {k: run.get(k) for k in HEADLINE}
+
+
+def report(name: str, results: dict, systems: list[str], skipped: dict, args, env: dict, checkpoint: Path,
+           startup: dict) -> dict:
+    """One workload's results file from what has been measured so far."""
+    done = {s: results[s][name] for s in systems if results.get(s, {}).get(name, {}).get("done")}
+    partial = {s: results[s][name] for s in systems if s not in done and results.get(s, {}).get(name, {}).get("runs")}
+    have = {**partial, **done}
+    out = {**{k: env[k] for k in ("commit", "gpu")}, "workload": name, "device": args.device,
+           "model": ("Kev-4B shapes, random bf16 weights" if args.device != "cpu" else "tiny random fp32 (CPU)"),
+           "checkpoint": str(checkpoint), "scale": args.scale,
+           "missing": [s for s in systems if s not in done], "complete": len(done) == len(systems)}
+    kev = have.get("kev")
+    out.update(headline(kev["runs"] if kev else [], args.clients))
+    out["sweep"] = kev["runs"] if kev else []
+    for system in ("gathered", "baseline"):
+        if system in have:
+            out[system] = {**headline(have[system]["runs"], args.clients), "sweep": have[system]["runs"],
+                           **({} if system in done else {"partial": True})}
+        elif system in systems:
+            out[system] = {"missing": "not measured: the run stopped before it (see `missing`)"}
+        else:
+            out[system] = {"skipped": skipped.get(system, "not requested")}
+    if kev and "baseline" in have and out["baseline"]["requests_per_s"] and out["requests_per_s"] is not None:
+        out["speedup_vs_baseline"] = out["requests_per_s"] / out["baseline"]["requests_per_s"]
+        out["baseline_answers"] = compare(kev["sample"], have["baseline"]["sample"])
+    if kev and "gathered" in have:
+        out["gathered_bit_identical"] = compare(kev["sample"], have["gathered"]["sample"])
+    out["startup"] = startup
+    out["settings"] = {k: v for k, v in vars(args).items() if k not in ("workload",)}
+    out["packages"], out["python"], out["host"], out["command"] = (env["packages"], env["python"], env["host"],
+                                                                   env["command"])
+    return out
+
+
+def write_quietly(path: Path, obj) -> None:
+    """JSON to `path` through a temporary file and a rename: a kill never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(json_safe(obj), indent=2))
+    tmp.replace(path)
