@@ -53,10 +53,10 @@ from kev.errors import InvalidRequest
 from kev.head import load_head
 from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
 from kev.v1 import scorer_pb2 as pb
+from scorer_service.server import SERVICE, scorer_rpc_handler
 
 log = logging.getLogger("bench.load_baseline")
 
-SERVICE = "kev.v1.Scorer"
 HF_MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
 # Module globals transformers binds to fla / causal-conv1d kernels at import when installed.
 KERNEL_GLOBALS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
@@ -309,15 +309,7 @@ def build_server(service: BaselineService, health_servicer: health.HealthService
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="baseline-rpc"),
                          options=[("grpc.max_receive_message_length", service.max_request_bytes),
                                   ("grpc.max_send_message_length", service.max_request_bytes)])
-    handlers = {
-        "ScoreQuestions": grpc.unary_unary_rpc_method_handler(
-            service.score_questions, request_deserializer=None,
-            response_serializer=pb.ScoreQuestionsResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            service.list_models, request_deserializer=pb.ListModelsRequest.FromString,
-            response_serializer=pb.ListModelsResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_generic_rpc_handlers((scorer_rpc_handler(service.score_questions, service.list_models),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server
 

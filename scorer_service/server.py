@@ -148,22 +148,26 @@ class ScorerService:
             raise Cancelled("the client cancelled the request")
 
 
+def scorer_rpc_handler(score_questions, list_models) -> grpc.GenericRpcHandler:
+    """The kev.v1.Scorer methods. ScoreQuestions takes raw bytes: the service parses them itself
+    so that bad input is INVALID_ARGUMENT with a field (bench/load_baseline.py serves the same API)."""
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "ScoreQuestions": grpc.unary_unary_rpc_method_handler(
+            score_questions, request_deserializer=None,
+            response_serializer=pb.ScoreQuestionsResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            list_models, request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    })
+
+
 def build_server(service: ScorerService, health_servicer: health.HealthServicer) -> grpc.Server:
     config = service.config
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="kev-rpc"),
         options=[("grpc.max_receive_message_length", config.transport_max_bytes),
                  ("grpc.max_send_message_length", config.transport_max_bytes)])
-    handlers = {
-        # Raw bytes in: the service parses them itself so bad input is INVALID_ARGUMENT with a field.
-        "ScoreQuestions": grpc.unary_unary_rpc_method_handler(
-            service.score_questions, request_deserializer=None,
-            response_serializer=pb.ScoreQuestionsResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            service.list_models, request_deserializer=pb.ListModelsRequest.FromString,
-            response_serializer=pb.ListModelsResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_generic_rpc_handlers((scorer_rpc_handler(service.score_questions, service.list_models),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
