@@ -116,6 +116,16 @@ class ScoreAnswer:
 Answer: TypeAlias = NoulAnswer | ChoiceAnswer | ScoreAnswer
 
 
+def option_probabilities(answer: Answer) -> list[float]:
+    """An answer's probabilities as a flat list (noul: [p_yes]; choice: in option order; score:
+    by level), for comparing answers across paths."""
+    if isinstance(answer, NoulAnswer):
+        return [answer.p_yes]
+    if isinstance(answer, ChoiceAnswer):
+        return list(answer.probabilities.values())
+    return list(answer.probabilities)
+
+
 @dataclass(frozen=True)
 class Usage:
     input_tokens: int

@@ -110,15 +110,8 @@ def test_baseline_answers_match_the_engine(checkpoint):
     for g, w in zip(got, want):
         assert g.usage.document_tokens == w.usage.document_tokens and g.usage.cached_state_tokens == 0
         for name, answer in w.answers.items():
-            assert probabilities(g.answers[name]) == pytest.approx(probabilities(answer), abs=1e-4, rel=0), name
-
-
-def probabilities(answer: api.Answer) -> list[float]:
-    if isinstance(answer, api.NoulAnswer):
-        return [answer.p_yes]
-    if isinstance(answer, api.ChoiceAnswer):
-        return list(answer.probabilities.values())
-    return list(answer.probabilities)
+            got_p, want_p = api.option_probabilities(g.answers[name]), api.option_probabilities(answer)
+            assert got_p == pytest.approx(want_p, abs=1e-4, rel=0), name
 
 
 def failing_server(delay_s: float = 0.0):

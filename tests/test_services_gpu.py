@@ -27,14 +27,6 @@ TOLERANCE = 2e-2  # on probabilities; bf16 weights, configs tuned in three proce
 SMALL_ROWS, SMALL_DOCS = "1x32,2x32,4x32,8x32,1x64,4x64", "1x64,1x256"
 
 
-def probabilities(answer: api.Answer) -> list[float]:
-    if isinstance(answer, api.NoulAnswer):
-        return [answer.p_yes]
-    if isinstance(answer, api.ChoiceAnswer):
-        return list(answer.probabilities.values())
-    return list(answer.probabilities)
-
-
 def test_cuda_stack_answers_like_the_cuda_engine(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server on PATH to run the stack (the GPU device has none)")
@@ -67,6 +59,6 @@ def test_cuda_stack_answers_like_the_cuda_engine(tmp_path):
     for g, a, w in zip(got, again, want):
         assert list(g.answers) == list(w.answers)
         for name in w.answers:
-            for x, y, z in zip(probabilities(g.answers[name]), probabilities(a.answers[name]),
-                               probabilities(w.answers[name])):
+            for x, y, z in zip(api.option_probabilities(g.answers[name]), api.option_probabilities(a.answers[name]),
+                               api.option_probabilities(w.answers[name])):
                 assert abs(x - z) <= TOLERANCE and abs(y - z) <= TOLERANCE, (name, x, y, z)

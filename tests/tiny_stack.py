@@ -24,7 +24,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -32,6 +31,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
+from bench.load import scrape
 from kev.head import DecisionHead, save_head
 from kev.v1 import bank_pb2_grpc
 from random_models import random_model, tiny_config
@@ -83,17 +83,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def scrape_metrics(port: int) -> dict[str, float]:
-    """Prometheus text exposition -> {'name{labels}': value} (samples only)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 class ServiceProcess:
@@ -171,7 +160,7 @@ class BankProcess(ServiceProcess):
         return bank_pb2_grpc.BankStub(self.channel)
 
     def metrics(self) -> dict[str, float]:
-        return scrape_metrics(self.metrics_port)
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def shm_files(self) -> list[Path]:
         """The /dev/shm files this bank process created (named after its instance, which has its pid)."""
