@@ -1,13 +1,18 @@
-"""Config map: every config of each hot kernel on the served shape classes (issue 5, point 4).
+"""Config map: every config of each hot kernel on every shape class (issue 5, point 4).
 
 Kev-4B layer shapes, bf16 (one DeltaNet layer's conv + chunked delta rule, one attention layer),
-on one layer's pools. For each served shape the three ops run once with every hot autotuner's
-launch recorded (first config, no tuning), then every config of each recorded launch is timed
-with `triton.testing.do_bench` (median). Per kernel and served shape:
-- best_us: the fastest config;
-- chosen_us: the config the shape's class cache holds after `ClassTuner` autotuned the class on
-  its representative shape (the real autotuner, as `warm_up` does at start-up);
-- first_call_pick_us: the config a 1-sequence x 16-token first call picks (fastest there).
+on one layer's pools. The shapes are the classes' own (`kev.ops.autotune.CLASS_SHAPES`, what
+`warm_up` tunes each class on):
+1. every class is tuned as `warm_up` does it (`ClassTuner.tune`: Triton's autotuner on each of the
+   class's shapes, per key the config with the least total time pinned in the class cache);
+2. each shape runs once in its class (no tuning: the map fails if a key was not pinned), each hot
+   autotuner's first launch recorded with the config the class cache gave it;
+3. every config of each recorded launch is timed with `triton.testing.do_bench` (median).
+One entry per (kernel, shape class), totals over the class's shapes:
+- best_us: the config with the least total;
+- chosen_us: what the class cache launched, summed over the shapes;
+- first_call_pick_us: the total of the config a 1-sequence x 16-token first call picks (fastest there);
+- shapes: the per-shape view (each shape's best, chosen and first-call config and every config's time).
 
     python -m bench.autotune_map --out bench/results/autotune_classes.json
 """
@@ -15,7 +20,9 @@ with `triton.testing.do_bench` (median). Per kernel and served shape:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import time
 from contextlib import contextmanager
 
@@ -23,53 +30,42 @@ import torch
 import triton
 
 from bench.common import kev4b_config, run_info, write_json
-from kev.ops.autotune import REPRESENTATIVE, ClassTuner, ShapeClass, classify, hot_autotuners
+from kev.ops.autotune import CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, hot_autotuners
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 
 DEVICE = "cuda"
 BS = 64  # K/V page size
-ROW_PREFIX = 2200
-# (label, sequences, tokens each, stored prefix): rows over cached documents, long single
-# documents (2k-61k: chunks of 8k, the last one over a 57k prefix), batched new documents
-SERVED = [
-    ("rows 6x32@48", 6, 32, 48), ("rows 5x32@2200", 5, 32, 2200), ("rows 16x64@2200", 16, 64, 2200),
-    ("rows 32x64@2200", 32, 64, 2200), ("rows 96x32@2200", 96, 32, 2200), ("rows 96x64@2200", 96, 64, 2200),
-    ("doc 1x2200", 1, 2200, 0), ("doc 1x8192", 1, 8192, 0), ("doc 1x4096@57344", 1, 4096, 57344),
-    ("docs 16x2048", 16, 2048, 0),
-]
-FIRST_CALL = ("first call 1x16", 1, 16, 0)
+SLOTS, SLOT_TOKENS = 16, 2304  # row slots: the class shapes' prefixes are at most 2,200 tokens
+FIRST_CALL = ClassShape(1, 16)
 
 
 class Layer:
-    """One layer's pools (16 row slots of up to 2,304 tokens, one slot for a 61k document) and weights."""
+    """One layer's pools (16 slots of up to 2,304 tokens) and weights."""
 
     def __init__(self, cfg, gen):
         self.cfg = cfg
         HV, K, V, C = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.conv_dim
-        per, long = -(-2304 // BS), -(-61440 // BS)
-        S = 17
-        self.table = torch.full((S, long), 0, dtype=torch.int32)
-        for s in range(16):
-            self.table[s, :per] = torch.arange(s * per, (s + 1) * per, dtype=torch.int32)
-        self.table[16] = torch.arange(16 * per, 16 * per + long, dtype=torch.int32)
-        self.table = self.table.to(DEVICE)
-        blocks = 16 * per + long
-        kv = (blocks, BS, cfg.num_key_value_heads, cfg.head_dim)
+        per = -(-SLOT_TOKENS // BS)
+        self.table = (torch.arange(SLOTS * per, dtype=torch.int32).view(SLOTS, per)).to(DEVICE)
+        kv = (SLOTS * per, BS, cfg.num_key_value_heads, cfg.head_dim)
         dev = dict(device=DEVICE, generator=gen)
         self.keys = (torch.randn(kv, **dev) * 0.5).bfloat16()
         self.values = torch.randn(kv, **dev).bfloat16()
-        self.conv = torch.randn(S, C, cfg.conv_kernel - 1, **dev).bfloat16()
-        self.state = torch.randn(S, HV, K, V, **dev) * 0.05
+        self.conv = torch.randn(SLOTS, C, cfg.conv_kernel - 1, **dev).bfloat16()
+        self.state = torch.randn(SLOTS, HV, K, V, **dev) * 0.05
         self.weight = (torch.randn(C, cfg.conv_kernel, **dev) * 0.3).bfloat16()
 
-    def run(self, ops, n, L, prefix, gen):
-        """The three ops on n sequences of L tokens (rows read slots n % 16; a long prefix reads slot 16)."""
-        cfg, T = self.cfg, n * L
+    def run(self, ops, shape: ClassShape, gen):
+        """The three ops on `shape` (sequence i reads slot i % 16 when it has a prefix)."""
+        cfg, n, L, prefix = self.cfg, shape.seqs, shape.tokens, shape.prefix
+        if prefix > SLOT_TOKENS:
+            raise ValueError(f"{shape}: prefixes up to {SLOT_TOKENS} tokens fit the layer's slots")
+        T = n * L
         H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
             cfg.linear_value_head_dim
         as_long = dict(dtype=torch.int64, device=DEVICE)
-        slots = torch.arange(n, **as_long) % 16 if prefix <= 2304 else torch.full((n,), 16, **as_long)
+        slots = torch.arange(n, **as_long) % SLOTS
         read = slots if prefix > 0 else torch.full((n,), -1, **as_long)
         meta = PassMeta(cu_seqlens=torch.arange(n + 1, **as_long) * L, read_slots=read,
                         write_slots=torch.full((n,), -1, **as_long), prefix_lens=torch.full((n,), prefix, **as_long),
@@ -90,14 +86,21 @@ class Layer:
 
 
 @contextmanager
-def recording(hot):
-    """Each hot autotuner records its first launch and runs its first config (no tuning)."""
+def recording(hot, tuned: bool):
+    """Each hot autotuner records its first launch: (args, kwargs, config). `tuned`: launches run
+    as the autotuner runs them (the active class cache's config); else on the first config, untuned."""
     launches = {}
 
     def recorder(name, at):
         def run(*args, **kwargs):
-            launches.setdefault(name, (args, kwargs))
-            return at.fn.run(*args, **kwargs, **at.configs[0].all_kwargs())
+            if tuned:
+                out = type(at).run(at, *args, **kwargs)
+                config = at.best_config
+            else:
+                config = at.configs[0]
+                out = at.fn.run(*args, **kwargs, **config.all_kwargs())
+            launches.setdefault(name, (args, kwargs, config))
+            return out
         return run
 
     for name, at in hot.items():
@@ -124,56 +127,90 @@ def time_configs(at, args, kwargs) -> dict[str, float]:
     return out
 
 
-def shape_table(layer, ops, hot, shape, gen) -> dict[str, dict[str, float]]:
-    _, n, L, prefix = shape
-    with recording(hot) as launches:
-        layer.run(ops, n, L, prefix, gen)
-    table = {name: time_configs(hot[name], *launches[name]) for name in hot}
+def shape_table(layer, ops, hot, shape, gen, tuner=None, cls=None):
+    """Name -> {config: us} on `shape`, and name -> the config launched: the class cache's when
+    `cls` is given (which must not tune), else the first config."""
+    if cls is None:
+        with recording(hot, tuned=False) as launches:
+            layer.run(ops, shape, gen)
+    else:
+        sizes = [len(c) for c in tuner.caches(cls).values()]
+        with recording(hot, tuned=True) as launches, tuner.use(cls):
+            layer.run(ops, shape, gen)
+        if [len(c) for c in tuner.caches(cls).values()] != sizes:
+            raise RuntimeError(f"{cls.value} {shape}: a kernel autotuned after its class was tuned")
+    table = {name: time_configs(hot[name], args, kwargs) for name, (args, kwargs, _) in launches.items()}
+    used = {name: str(config) for name, (_, _, config) in launches.items()}
     del launches
     torch.cuda.synchronize()
-    return table
+    return table, used
+
+
+def _us(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def class_entry(kernel: str, cls: ShapeClass, shapes: dict[str, tuple[dict[str, float], str]],
+                first: str | None) -> dict:
+    """One (kernel, class) entry from the class's shapes that launched the kernel: label ->
+    ({config: us}, the config the class cache launched). `first`: the first call's pick (None
+    when the first call did not launch the kernel)."""
+    totals = {c: math.fsum(t[c] for t, _ in shapes.values()) for c in next(iter(shapes.values()))[0]}
+    best = min(totals, key=totals.get)
+    chosen_us = math.fsum(t[c] for t, c in shapes.values())
+    first_us = totals[first] if first is not None else math.nan
+    detail = []
+    for label, (t, chosen) in shapes.items():
+        b = min(t, key=t.get)
+        f = t[first] if first is not None else math.nan
+        detail.append({"shape": label, "best_us": t[b], "chosen_us": t[chosen], "first_call_pick_us": _us(f),
+                       "chosen_over_best": t[chosen] / t[b], "first_call_over_best": _us(f / t[b]),
+                       "best_config": b, "chosen_config": chosen,
+                       "configs_us": {c: _us(v) for c, v in t.items()}})
+    return {"kernel": kernel, "shape_class": cls.value, "best_us": totals[best], "chosen_us": chosen_us,
+            "first_call_pick_us": _us(first_us), "chosen_over_best": chosen_us / totals[best],
+            "first_call_over_best": _us(first_us / totals[best]), "best_config": best,
+            "chosen_configs": sorted({c for _, c in shapes.values()}), "first_call_config": first,
+            "shapes": detail}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/autotune_classes.json")
+    ap.add_argument("--recurrent-classes", default="", help="comma-separated classes whose passes run the "
+                    "recurrent delta rule (TritonOps(recurrent_classes=...)); default none")
     args = ap.parse_args()
     cfg = kev4b_config()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    layer, ops = Layer(cfg, gen), TritonOps()
+    layer, ops = Layer(cfg, gen), TritonOps([c for c in args.recurrent_classes.split(",") if c])
     hot = hot_autotuners()
     tuner = ClassTuner(hot)
-    t0 = time.perf_counter()
-    first = shape_table(layer, ops, hot, FIRST_CALL, gen)
+    first, _ = shape_table(layer, ops, hot, FIRST_CALL, gen)
     first_pick = {name: min(t, key=t.get) for name, t in first.items()}
-    # the class caches, tuned by the real autotuner on each class's representative shape
-    for cls, (n, L) in REPRESENTATIVE.items():
-        with tuner.use(cls):
-            layer.run(ops, n, L, ROW_PREFIX if cls.rows else 0, gen)
-    chosen = {cls: {name: str(next(iter(cache.values()), hot[name].configs[0]))  # one config: never cached
-                    for name, cache in tuner.caches(cls).items()} for cls in ShapeClass}
+    t0 = time.perf_counter()
+    for cls, shapes in CLASS_SHAPES.items():  # as warm_up does it, on this layer's ops
+        tuner.tune(cls, [functools.partial(layer.run, ops, s, gen) for s in shapes])
+    torch.cuda.synchronize()
     result = {**run_info(), "classes": [], "first_call_configs": first_pick, "tune_s": time.perf_counter() - t0,
-              "representative": {c.value: list(v) for c, v in REPRESENTATIVE.items()}}
-    for shape in SERVED:
-        label, n, L, prefix = shape
-        cls = classify(n, n * L)
-        table = shape_table(layer, ops, hot, shape, gen)
-        for name, t in table.items():
-            best = min(t, key=t.get)
-            pick = chosen[cls][name]
-            result["classes"].append({
-                "kernel": name, "shape_class": f"{cls.value}: {label}", "class": cls.value, "shape": label,
-                "best_us": t[best], "chosen_us": t[pick], "first_call_pick_us": t[first_pick[name]],
-                "best_config": best, "chosen_config": pick, "first_call_config": first_pick[name],
-                "chosen_over_best": t[pick] / t[best], "first_call_over_best": t[first_pick[name]] / t[best],
-                "configs_us": {c: (v if v != float("inf") else None) for c, v in t.items()}})
-        print(f"{label}: " + ", ".join(f"{e['kernel']} {e['chosen_over_best']:.2f}/{e['first_call_over_best']:.2f}"
-                                       for e in result["classes"][-len(table):]), flush=True)
+              "class_shapes": {c.value: [str(s) for s in shapes] for c, shapes in CLASS_SHAPES.items()}}
+    for cls, shapes in CLASS_SHAPES.items():
+        tables = {}
+        for s in shapes:
+            tables[str(s)] = shape_table(layer, ops, hot, s, gen, tuner, cls)
+            torch.cuda.empty_cache()
+        launched = {name: {label: (t[name], used[name]) for label, (t, used) in tables.items() if name in t}
+                    for name in hot}  # a kernel a class's passes never launch (another delta-rule path) has no entry
+        entries = [class_entry(name, cls, shapes_of, first_pick.get(name)) for name, shapes_of in launched.items()
+                   if shapes_of]
+        result["classes"] += entries
+        print(f"{cls.value} {[str(s) for s in shapes]} chosen/first-call over best: "
+              + ", ".join(f"{e['kernel']} {e['chosen_over_best']:.3f}/{e['first_call_over_best'] or math.nan:.2f}"
+                          for e in entries), flush=True)
         with open(args.out, "w") as f:  # partial results survive a time-out
             json.dump(result, f, indent=1)
-        torch.cuda.empty_cache()
-    worst = max(e["chosen_over_best"] for e in result["classes"])
-    result["worst_chosen_over_best"] = worst
+    result["recurrent_classes"] = sorted(c.value for c in ops.recurrent_classes)
+    result["worst_chosen_over_best"] = max(e["chosen_over_best"] for e in result["classes"])
+    result["worst_shape_chosen_over_best"] = max(d["chosen_over_best"] for e in result["classes"] for d in e["shapes"])
     write_json(args.out, result)
 
 

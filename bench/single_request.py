@@ -7,7 +7,8 @@ call to the GPU being done (row batch built and copied in, both passes, one sync
 Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
 `GraphedPasses.capture`). The same passes eager (no graphs) are reported beside them.
 
-    python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE]
+    python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE] \
+        [--recurrent-classes none rows_few]   # chunked vs the one-launch recurrent delta rule, one run
 
 `--profile-out` also writes, per workload, the top GPU kernels of one graphed new request and
 of the same request eager, with the kernels' summed GPU time beside the wall time (what is left
@@ -26,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
 from kev.graphs import CapturePolicy, GraphedPasses
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners, warm_up
+from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
 
@@ -59,12 +61,33 @@ def main():
     ap.add_argument("--out", default="bench/results/single_request.json")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--profile-out", default=None)
+    ap.add_argument("--recurrent-classes", nargs="+", default=["none"], metavar="CLASSES",
+                    help="one run per value: a comma list of shape classes whose passes run the one-launch "
+                         "recurrent delta rule (e.g. rows_few or rows_few,rows_mid; 'none': chunked everywhere). "
+                         "The first is the reported one; all are timed on the same model, documents and rows")
     args = ap.parse_args()
+    variants = [frozenset(ShapeClass(c) for c in v.split(",") if c and c != "none") for v in args.recurrent_classes]
     cfg = kev4b_config()
     model = random_model(cfg)
     bank = Bank.allocate(cfg, num_slots=8, num_blocks=8 * 36, block_size=64, dtype=torch.bfloat16, device="cuda",
                          max_doc_tokens=2304)
-    runner = Runner(model, bank, TritonOps(), tuner=ClassTuner(hot_autotuners()))
+    result = {**run_info(), "variants": {}}
+    profiles: list[str] = []
+    for i, recurrent in enumerate(variants):
+        label = ",".join(sorted(c.value for c in recurrent)) or "none"
+        timings = run_variant(args, cfg, model, bank, recurrent, profiles, label)
+        result["variants"][label] = timings
+        if i == 0:  # the reported figures (the schema of issue 5's single_request.json)
+            result.update(timings, recurrent_classes=label)
+        write_json(args.out, result)
+        torch.cuda.empty_cache()
+    write_json(args.out, result)
+
+
+def run_variant(args, cfg, model, bank, recurrent, profiles, label) -> dict:
+    """Warm, capture and time both workloads with `TritonOps(recurrent_classes=recurrent)` on a
+    fresh class tuner; the same documents and rows for every variant (one seed)."""
+    runner = Runner(model, bank, TritonOps(recurrent_classes=recurrent), tuner=ClassTuner(hot_autotuners()))
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()  # start-up as a server does it: documents' class, one document, rows' class
     warm_up(runner, [ShapeClass.DOCS_FEW])
@@ -73,8 +96,8 @@ def main():
     warm_up(runner, [ShapeClass.ROWS_FEW], row_slot=prime.slot, row_prefix=2200)
     warm_s = time.perf_counter() - t0
     graphed = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)
-    result = {**run_info(), "warm_up_s": warm_s}
-    profiles: list[str] = []
+    result = {"warm_up_s": warm_s}
+    kept = [prime]
     for name, (doc_tokens, n_rows, row_tokens) in WORKLOADS.items():
         doc = torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist()
         rows = [torch.randint(0, cfg.vocab_size, (row_tokens,), generator=gen).tolist() for _ in range(n_rows)]
@@ -83,6 +106,7 @@ def main():
         graphed.capture(keys)
         capture_s = time.perf_counter() - t0
         cached = bank.alloc(doc_tokens)
+        kept.append(cached)
         runner.state_pass([doc], [cached])
         for passes in (graphed, runner):  # warm both paths (allocator, first launches)
             request(passes, bank, doc, rows), request(passes, bank, doc, rows, cached)
@@ -99,12 +123,14 @@ def main():
                         "row_tokens": row_tokens, "graph_keys": [str(k) for k in keys], "capture_s": capture_s,
                         "graphed_vs_eager_max_abs": (g_out.float() - e_out.float()).abs().max().item(),
                         "graph_stats": vars(graphed.stats).copy(), "reps": args.reps}
-        write_json(args.out, result)  # partial results survive a time-out
+        print(f"recurrent={label} {name}: new {med['new']:.2f} ms, cached {med['cached']:.2f} ms", flush=True)
         if args.profile_out:
-            profiles.append(profile_request(name, graphed, runner, bank, doc, rows))
+            profiles.append(profile_request(f"{name} (recurrent={label})", graphed, runner, bank, doc, rows))
             with open(args.profile_out, "w") as f:
                 f.write("\n".join(profiles))
-    write_json(args.out, result)
+    for h in kept:
+        bank.free(h)
+    return result
 
 
 def profile_request(name, graphed, runner, bank, doc, rows) -> str:

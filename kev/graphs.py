@@ -10,7 +10,7 @@ The stored-state length is not a bucket dimension: the indexed kernels read each
 length at run time, so one graph serves rows over 40-token and 60k-token documents alike.
 
 Capture policy (`CapturePolicy`), never a stall on a busy server:
-- WARMUP_ONLY: graphs only from `capture(keys)` at start-up (after `autotune.warm_up`).
+- WARMUP_ONLY: graphs only from `capture(keys)` at start-up (after `kev.ops.warm_up.warm_up`).
 - WHEN_IDLE: a bucket used `min_uses` times without a graph is queued (as are the buckets given to
   `queue(keys)`); the server calls `capture_pending()` when its queue is empty.
 - ON_FIRST_USE: capture at the first use (benchmarks, tests).

@@ -3,7 +3,7 @@
 On CPU, or with the torch reference ops, a process runs a plain `Runner`, exactly as before.
 On CUDA with the indexed `TritonOps` it runs the speed machinery of issue 5:
 - one `ClassTuner` per process (shape-class autotune caches, Triton's disk cache off);
-- `autotune.warm_up` of every class its passes can use, with the real model, dtypes and pools,
+- `kev.ops.warm_up.warm_up` of every class its passes can use, with the real model, dtypes and pools,
   once per process and before any CUDA-graph capture;
 - `GraphedPasses` under the WHEN_IDLE policy: the start-up buckets (`GraphPlan`) captured before
   the process serves; a bucket used twice without a graph is queued and captured by the process's
@@ -36,7 +36,8 @@ import torch
 from kev.bank.bank import BankHandle
 from kev.model import Qwen35Model
 from kev.ops import Ops
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners, warm_up
+from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.warm_up import warm_up
 from kev.runner import RowBatch, Runner
 
 if TYPE_CHECKING:

@@ -91,7 +91,8 @@ class StaticPass:
         self.picks = torch.zeros(P, **as_long)
         self._arange = torch.arange(max(T, N) + 1, **as_long)
         self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
-                             prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions)
+                             prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions,
+                             shape_class=key.shape_class)  # a STATE bucket's N counts padding sequences
         self.chunks = static_chunks(N, L, CHUNK, device)
         self.chunk_offsets = torch.arange(N + 1, **as_long) * -(-L // CHUNK)
         self.attn_chunks = {attn_block: static_chunks(N, L, attn_block, device)}

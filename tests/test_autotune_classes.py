@@ -6,9 +6,14 @@ shows: the class comes from cu_seqlens / batch sizes, the on-disk cache is off, 
 its own cache (a tiny first call does not decide a wide pass), inside a class the kernel's own
 (N_CLASS, T_CLASS) buckets do not re-tune, and the default caches come back afterwards. Then the
 same with fla's real autotuners (found by `hot_autotuners`) and the Runner's use of the tuner.
+Last, tuning a class over several shapes (`ClassTuner.tune`, `warm_up`) with timings that differ
+by shape: the pick minimises the total over the class's shapes, per class, deterministically, and
+nothing tunes again once it is pinned.
 """
 
+import math
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +23,9 @@ from triton.runtime.autotuner import Autotuner
 
 from kev.bank.bank import Bank
 from kev.ops import get_ops
-from kev.ops.autotune import ClassTuner, ShapeClass, classify, classify_cu_seqlens, classify_lens, hot_autotuners
+from kev.ops.autotune import (CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, classify, classify_cu_seqlens,
+                              classify_lens, hot_autotuners, pick_config)
+from kev.ops.warm_up import warm_shapes, warm_up
 from kev.runner import RowBatch, Runner
 from random_models import random_model, tiny_config
 
@@ -154,11 +161,13 @@ def fla_tuner(monkeypatch):
 def test_hot_autotuners_cover_the_triton_path(fla_tuner):
     tuner, hot = fla_tuner
     assert set(hot) == {"indexed_conv", "l2norm_heads", "chunk_local_cumsum", "kkt_solve", "recompute_w_u",
-                        "indexed_scan", "chunk_fwd_o", "paged_prefix_attention"}
+                        "indexed_scan", "chunk_fwd_o", "indexed_recurrent", "paged_prefix_attention"}
     assert all(isinstance(at, Autotuner) for at in hot.values())
     assert all(at.cache_results is False for at in hot.values())
     assert hot["indexed_scan"].keys[-2:] == ["N_CLASS", "T_CLASS"]
     assert tuner.caches(ShapeClass.ROWS_FEW)["indexed_scan"].drop == {4, 5}
+    assert hot["indexed_recurrent"].keys[-2:] == ["N_CLASS", "T_CLASS"]
+    assert tuner.caches(ShapeClass.ROWS_FEW)["indexed_recurrent"].drop == {4, 5}
     assert tuner.caches(ShapeClass.ROWS_FEW)["chunk_fwd_o"].drop == frozenset()
 
 
@@ -213,3 +222,260 @@ def test_runner_passes_run_in_their_class():
     assert batch.row_lens == (20,) * 12 and batch.shape_class is ShapeClass.ROWS_MID
     runner.row_pass(batch)
     assert tuner.classes[-1] is ShapeClass.ROWS_MID
+
+
+# --- tuning a class over several shapes ------------------------------------------------------------
+
+# Made-up times (one stub launch) by shape (sequences, tokens in all) and BLOCK: the small shape
+# prefers 16, the large 64, and the total over both prefers 32, best on neither.
+SMALL, LARGE, WIDE_A, WIDE_B = (6, 192), (5, 160), (96, 6144), (96, 3072)
+TIMES = {SMALL: {16: 1.0, 32: 1.2, 64: 3.0}, LARGE: {16: 5.0, 32: 2.0, 64: 1.5},
+         WIDE_A: {16: 9.0, 32: 4.0, 64: 2.0}, WIDE_B: {16: 8.0, 32: 3.0, 64: 2.5}}
+
+
+class ShapeBench:
+    """`do_bench` stand-in: the time of the launched BLOCK on the current shape (`TIMES`)."""
+
+    def __init__(self, launch: FakeLaunch):
+        self.launch, self.calls, self.shape = launch, 0, None
+
+    def __call__(self, kernel_call, quantiles):
+        kernel_call()
+        self.calls += 1
+        t = TIMES[self.shape][self.launch.launches[-1]]
+        return [t, t * 0.9, t * 1.1]
+
+
+@pytest.fixture
+def stub3():
+    launch = FakeLaunch()
+    bench = ShapeBench(launch)
+    at = triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (16, 32, 64)],
+                         key=["H", "N_CLASS", "T_CLASS"], do_bench=bench, cache_results=True)(stub_kernel)
+    at.fn = launch
+    return at, launch, bench
+
+
+def shape_pass(at, bench, shape):
+    """One 'pass' of `shape` = (sequences, tokens in all): one launch of the stub."""
+    def run():
+        bench.shape = shape
+        call(at, bench, *shape)
+    return run
+
+
+def test_class_shapes_belong_to_their_class():
+    assert set(CLASS_SHAPES) == set(ShapeClass)
+    for cls, shapes in CLASS_SHAPES.items():
+        assert shapes and len(set(shapes)) == len(shapes)
+        for s in shapes:
+            assert classify(s.seqs, s.seqs * s.tokens) is cls, f"{s} is not {cls.value}"
+            assert s.prefix == 0 or cls.rows, "document shapes start from nothing"
+
+
+def test_class_pick_minimises_the_total_over_its_shapes(stub3):
+    at, launch, bench = stub3
+    tuner = ClassTuner({"stub": at})
+    pinned = tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, SMALL), shape_pass(at, bench, LARGE)])
+    assert bench.calls == 6, "every config benchmarked on every shape"
+    (config,) = tuner.caches(ShapeClass.ROWS_FEW)["stub"].values()
+    assert config.kwargs == {"BLOCK": 32}, "the least total (3.2), not either shape's best (16 or 64)"
+    assert [c.kwargs for c in pinned["stub"].values()] == [{"BLOCK": 32}]
+    assert at.cache_results is False and len(at.cache) == 0, "the default cache was touched"
+    with tuner.use(ShapeClass.ROWS_FEW):  # either shape, any own bucket: the pinned config, no tuning
+        shape_pass(at, bench, SMALL)()
+        shape_pass(at, bench, LARGE)()
+        call(at, bench, 1, 16)
+    assert bench.calls == 6 and launch.launches[-3:] == [32, 32, 32]
+
+
+def test_a_kernel_the_class_never_launches_needs_no_config(stub3, stub):
+    at, launch, bench = stub3
+    unused = stub[0]  # e.g. the delta-rule path a class does not take
+    tuner = ClassTuner({"stub": at, "unused": unused})
+    assert not tuner.tuned(ShapeClass.ROWS_FEW)
+    tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, SMALL)])
+    assert tuner.tuned(ShapeClass.ROWS_FEW) and len(tuner.caches(ShapeClass.ROWS_FEW)["unused"]) == 0
+    assert tuner.tune(ShapeClass.ROWS_MID, [lambda: None]) == {} and not tuner.tuned(ShapeClass.ROWS_MID)
+
+
+def test_each_class_keeps_its_own_pick(stub3):
+    at, launch, bench = stub3
+    tuner = ClassTuner({"stub": at})
+    tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, SMALL), shape_pass(at, bench, LARGE)])
+    tuner.tune(ShapeClass.ROWS_WIDE, [shape_pass(at, bench, WIDE_A), shape_pass(at, bench, WIDE_B)])
+    tuner.tune(ShapeClass.DOCS_FEW, [shape_pass(at, bench, SMALL)])  # one shape: its own best
+    assert tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 32")
+    assert tuner.chosen(ShapeClass.ROWS_WIDE)["stub"][0].startswith("BLOCK: 64")
+    assert tuner.chosen(ShapeClass.DOCS_FEW)["stub"][0].startswith("BLOCK: 16")
+    assert not tuner.tuned(ShapeClass.DOCS_WIDE) and len(at.cache) == 0
+    with tuner.use(ShapeClass.ROWS_WIDE):
+        shape_pass(at, bench, SMALL)()
+    with tuner.use(ShapeClass.ROWS_FEW):
+        shape_pass(at, bench, WIDE_A)()
+    assert launch.launches[-2:] == [64, 32] and bench.calls == 15
+
+
+def test_nothing_retunes_after_tuning_and_disk_cache_stays_off(stub3, monkeypatch):
+    at, launch, bench = stub3
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("the on-disk autotune cache was consulted")
+
+    monkeypatch.setattr(at, "check_disk_cache", no_disk)
+    tuner = ClassTuner({"stub": at})
+    tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, SMALL), shape_pass(at, bench, LARGE)])
+
+    def no_bench(*args, **kwargs):
+        raise AssertionError("autotuned after the class was tuned")
+
+    monkeypatch.setattr(at, "_bench", no_bench)
+    with tuner.use(ShapeClass.ROWS_FEW):
+        for n, tokens in [(1, 16), (8, 8 * 128), (3, 3 * 7)]:  # other own buckets of the class
+            call(at, bench, n, tokens)
+    assert launch.launches[-3:] == [32] * 3
+    monkeypatch.undo()  # benchmarks allowed again: a second tune of the class keeps its pick
+    monkeypatch.setattr(at, "check_disk_cache", no_disk)
+    assert tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, LARGE)]) == {}
+    assert tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 32")
+
+
+def test_pick_is_deterministic_given_the_timings():
+    c16, c32, c64 = (triton.Config({"BLOCK": b}) for b in (16, 32, 64))
+    tie = [{c64: 2.0, c32: 1.0, c16: 1.0}, {c16: 1.0, c32: 1.0, c64: 0.0}]
+    assert pick_config(tie, [c16, c32, c64]) is c16, "equal totals: the kernel's earlier config"
+    assert pick_config(tie, [c32, c16, c64]) is c32
+    assert pick_config([{c16: 1.0, c32: 2.0}, {c16: math.inf, c32: 2.0}], [c16, c32]) is c32, "failed on a shape"
+    assert pick_config([{c16: 1.0, c32: 2.0}, {c32: 2.0}], [c16, c32]) is c32, "not timed on a shape"
+    fresh = [triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})]  # other objects, same configs
+    assert pick_config([{fresh[0]: 3.0, fresh[1]: 1.0}, {c16: 1.0, c32: 1.0}], [c16, c32]) is c32
+    with pytest.raises(ValueError, match="no config"):
+        pick_config([{}, {}], [c16])
+
+
+def test_tuning_is_repeatable(stub3):
+    at, _, bench = stub3
+    picks = []
+    for _ in range(3):
+        tuner = ClassTuner({"stub": at})
+        tuner.tune(ShapeClass.ROWS_MID, [shape_pass(at, bench, LARGE), shape_pass(at, bench, SMALL)])
+        picks.append(tuner.chosen(ShapeClass.ROWS_MID))
+    assert picks == [picks[0]] * 3 and picks[0]["stub"][0].startswith("BLOCK: 32")
+
+
+def test_fla_autotuner_tunes_over_the_class_shapes(fla_tuner, monkeypatch):
+    """fla's CachedAutotuner leaves its timings where `tune` reads them: shape A's time is the
+    config's num_warps, shape B's 16 / num_warps; the least total is 4 warps (8 vs 10 or more)."""
+    from fla.ops.utils.cumsum import chunk_local_cumsum
+
+    tuner, hot = fla_tuner
+    at = hot["chunk_local_cumsum"]
+    launched, shape = [], {}
+
+    class Launch:
+        def run(self, *args, **kwargs):
+            launched.append(kwargs["num_warps"])
+
+    def bench(kernel_call, quantiles):
+        kernel_call()
+        w = launched[-1]
+        return [w if shape["a"] else 16 / w] * 3
+
+    monkeypatch.setattr(at, "fn", Launch())
+    monkeypatch.setitem(at.__dict__, "do_bench", bench)
+    warps = sorted({c.num_warps for c in at.configs})
+    assert warps[0] < 4 < warps[-1], warps
+    g = torch.zeros(1, 96, 4)
+    cu = torch.arange(4) * 32
+    chunks = torch.stack([torch.arange(3), torch.zeros(3, dtype=torch.int64)], 1)
+
+    def run(a):
+        def go():
+            shape["a"] = a
+            chunk_local_cumsum(g=g, chunk_size=64, cu_seqlens=cu, chunk_indices=chunks)
+        return go
+
+    default = dict(at.cache)
+    pinned = tuner.tune(ShapeClass.ROWS_MID, [run(True), run(False)])
+    assert [c.num_warps for c in pinned["chunk_local_cumsum"].values()] == [4]
+    assert [c.num_warps for c in tuner.caches(ShapeClass.ROWS_MID)["chunk_local_cumsum"].values()] == [4]
+    assert dict(at.cache) == default
+
+
+class StubModel:
+    """Stands in for the model in `warm_up`: each pass is one launch of the stub, timed by its shape."""
+
+    def __init__(self, at, bench):
+        self.at, self.bench, self.cfg, self.passes = at, bench, SimpleNamespace(vocab_size=50), []
+
+    def __call__(self, tokens, meta, pools, ops, picks):
+        n = meta.cu_seqlens.numel() - 1
+        shape = ClassShape(n, tokens.numel() // n, int(meta.prefix_lens[0]))
+        self.passes.append((shape, int(meta.read_slots[0]), int(meta.write_slots[0])))
+        self.bench.shape = {(6, 32, 48): SMALL, (5, 32, 2200): LARGE}.get((shape.seqs, shape.tokens, shape.prefix),
+                                                                          SMALL if shape.seqs * shape.tokens < 1000
+                                                                          else WIDE_A)
+        call(self.at, self.bench, n, tokens.numel())
+
+
+def stub_runner(at, bench):
+    bank = SimpleNamespace(block_table=torch.zeros(4, 40, dtype=torch.int32),
+                           pools=SimpleNamespace(block_size=64, num_blocks=100))  # 2,560 tokens a slot
+    return SimpleNamespace(device=torch.device("cpu"), bank=bank, model=StubModel(at, bench), ops=None,
+                           tuner=ClassTuner({"stub": at}))
+
+
+def test_warm_up_tunes_each_class_over_its_shapes(stub3, monkeypatch):
+    at, _, bench = stub3
+    monkeypatch.setitem(CLASS_SHAPES, ShapeClass.ROWS_FEW, (ClassShape(6, 32, 48), ClassShape(5, 32, 2200)))
+    runner = stub_runner(at, bench)
+    assert warm_up(runner, [ShapeClass.ROWS_FEW], row_slot=2, row_prefix=2200) == [ShapeClass.ROWS_FEW]
+    assert runner.model.passes == [(ClassShape(6, 32, 48), 2, -1), (ClassShape(5, 32, 2200), 2, -1)]
+    assert runner.tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 32")
+    assert bench.calls == 6
+    no_slot = stub_runner(at, bench)  # a scorer: no slot read, the prefixes kept (synthetic pages)
+    warm_up(no_slot, [ShapeClass.ROWS_FEW])
+    assert no_slot.model.passes == [(ClassShape(6, 32, 48), -1, -1), (ClassShape(5, 32, 2200), -1, -1)]
+    assert no_slot.tuner.chosen(ShapeClass.ROWS_FEW) == runner.tuner.chosen(ShapeClass.ROWS_FEW)
+
+
+def test_warm_shapes_cut_prefixes_to_the_stored_document():
+    few = CLASS_SHAPES[ShapeClass.ROWS_FEW]
+    assert warm_shapes(ShapeClass.ROWS_FEW, row_slot=3, row_prefix=5000) == list(few)
+    cut = warm_shapes(ShapeClass.ROWS_FEW, row_slot=3, row_prefix=300)
+    assert [(s.seqs, s.tokens) for s in cut] == [(s.seqs, s.tokens) for s in few]
+    assert [s.prefix for s in cut] == [min(s.prefix, 300) for s in few]
+    assert warm_shapes(ShapeClass.ROWS_MID) == list(CLASS_SHAPES[ShapeClass.ROWS_MID]), "no slot: prefixes kept"
+    same = ClassShape(4, 32, 0)
+    assert len({same, ClassShape(4, 32)}) == 1
+
+
+def test_config_map_entry_totals_over_the_class_shapes():
+    from bench.autotune_map import class_entry
+
+    shapes = {"6x32@48": ({"a": 1.0, "b": 1.5}, "b"), "5x32@2200": ({"a": 10.0, "b": 8.0}, "b")}
+    e = class_entry("k", ShapeClass.ROWS_FEW, shapes, "a")
+    assert (e["kernel"], e["shape_class"], e["best_config"]) == ("k", "rows_few", "b")
+    assert (e["best_us"], e["chosen_us"], e["first_call_pick_us"]) == (9.5, 9.5, 11.0)
+    assert e["chosen_over_best"] == 1.0 and e["chosen_configs"] == ["b"]
+    assert [d["chosen_over_best"] for d in e["shapes"]] == [1.5, 1.0], "the per-shape view keeps each shape's miss"
+    assert class_entry("k", ShapeClass.ROWS_FEW, shapes, None)["first_call_pick_us"] is None
+
+
+def test_warm_pass_without_a_slot_reads_synthetic_pages(stub3, monkeypatch):
+    """A scorer warms rows over a prefix it cannot store: attention reads real bank pages through a
+    synthetic table (distinct pages per row, inside the pool), recurrent/conv states start empty."""
+    at, _, bench = stub3
+    monkeypatch.setitem(CLASS_SHAPES, ShapeClass.ROWS_FEW, (ClassShape(5, 32, 2200), ClassShape(2, 16, 4000)))
+    runner = stub_runner(at, bench)
+    seen = []
+    model = runner.model
+    runner.model = lambda tokens, meta, pools, ops, picks: (seen.append(meta), model(tokens, meta, pools, ops, picks))
+    runner.model.cfg = model.cfg
+    warm_up(runner, [ShapeClass.ROWS_FEW])
+    first, capped = seen
+    assert first.prefix_lens.tolist() == [2200] * 5 and first.read_slots.tolist() == [-1] * 5
+    pages = first.block_table[:, :35]  # 2,200 tokens = 35 pages of 64
+    assert first.block_table.dtype == torch.int32 and int(pages.max()) < 100 and int(pages.min()) >= 0
+    assert all(len(set(row.tolist())) == 35 for row in pages), "a row's pages are distinct"
+    assert capped.prefix_lens.tolist() == [40 * 64] * 2, "capped at what a slot can hold"

@@ -23,7 +23,8 @@ from triton.runtime.autotuner import Autotuner
 from kernel_support import kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
 from kev.graphs import Buckets, CapturePolicy, GraphedPasses
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners, warm_up
+from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.warm_up import warm_up
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
@@ -226,12 +227,14 @@ def test_every_launched_autotuner_is_class_cached(setup, monkeypatch):
     torch.cuda.synchronize()
     names = {id(at): name for name, at in hot.items()}
     assert launched <= set(names), "a pass launched an autotuner the class caches do not cover"
-    assert {names[i] for i in launched} == set(hot), "a hot autotuner never ran"
+    unused = {"indexed_recurrent"}  # TritonOps() runs the chunked delta rule in every class
+    assert {names[i] for i in launched} == set(hot) - unused, "a hot autotuner never ran"
 
 
 def test_capture_after_warm_up_never_autotunes(setup, monkeypatch):
     tuner = setup["tuner"]
-    assert all(tuner.tuned(cls) for cls in WARM)
+    # every kernel the chunked path runs has a config (the recurrent one is off: TritonOps())
+    assert all(len(c) for cls in WARM for name, c in tuner.caches(cls).items() if name != "indexed_recurrent")
     sizes = {cls: [len(c) for c in tuner.caches(cls).values()] for cls in WARM}
 
     def no_bench(self, *args, **kwargs):

@@ -13,12 +13,18 @@ unwarmed bucket never autotunes (an autotune inside CUDA-graph capture breaks th
 Per worker process: the autotuners are module globals, so every process (scorer worker, bank
 service) tunes its own. Triton's on-disk autotune cache is turned off for these kernels (fla
 enables it by default through FLA_CACHE_RESULTS): a config tuned by another process, on another
-shape, would be reused silently. `warm_up` runs one representative pass per class with the real
-model, dtypes and pools before any CUDA-graph capture.
+shape, would be reused silently.
+
+A class serves many shapes, and one shape's best config can be 1.1-1.5x on another of the same
+class (the H200 map). So a class is tuned on several shapes (`CLASS_SHAPES`): `ClassTuner.tune`
+runs each shape's pass with fresh caches, so Triton's own autotuner benchmarks every config of
+every key the pass hits, keeps those timings, and pins in the class cache, per key, the config
+with the least total time over the class's shapes. `kev.ops.warm_up.warm_up` does that with the
+real model, dtypes and pools before any CUDA-graph capture; nothing tunes again for a key pinned there.
 
     tuner = ClassTuner(hot_autotuners())
     runner = Runner(model, bank, TritonOps(), tuner=tuner)
-    warm_up(runner, ShapeClass)              # start-up: autotune every class
+    warm_up(runner, ShapeClass)              # start-up: tune every class over its shapes
     with tuner.use(classify(n_seqs, n_tokens)):
         model(...)                           # what Runner does around each pass
 """
@@ -26,18 +32,14 @@ model, dtypes and pools before any CUDA-graph capture.
 from __future__ import annotations
 
 import enum
+import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
-from triton.runtime.autotuner import Autotuner
-
-from kev.ops.meta import PassMeta
-
-if TYPE_CHECKING:
-    from kev.runner import Runner
+from triton.runtime.autotuner import Autotuner, Config
 
 ROW_TOKENS = 128  # mean tokens per sequence up to which a pass is row-like
 CLASS_KEY_ARGS = frozenset({"N_CLASS", "T_CLASS"})  # the own kernels' finer buckets, dropped inside a class
@@ -57,15 +59,32 @@ class ShapeClass(enum.Enum):
         return self in (ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID, ShapeClass.ROWS_WIDE)
 
 
-# One representative pass per class for `warm_up`: (sequences, tokens each). ROWS_MID tunes on
-# 16 x 64: every kernel's best config there is within 5% of best at 32 x 64 too (the H200 map);
-# 24 x 48 picked fla's WY recompute with num_stages 4, 1.24x best at 16 x 64 and 1.10x at 32 x 64.
-REPRESENTATIVE: dict[ShapeClass, tuple[int, int]] = {
-    ShapeClass.ROWS_FEW: (6, 32),
-    ShapeClass.ROWS_MID: (16, 64),
-    ShapeClass.ROWS_WIDE: (96, 64),
-    ShapeClass.DOCS_FEW: (1, 4096),
-    ShapeClass.DOCS_WIDE: (16, 2048),
+@dataclass(frozen=True)
+class ClassShape:
+    """One shape a class is tuned on: `seqs` sequences of `tokens` tokens each, each continuing
+    `prefix` stored tokens (rows over a cached document; 0: a new document)."""
+
+    seqs: int
+    tokens: int
+    prefix: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.seqs}x{self.tokens}@{self.prefix}"
+
+
+# The shapes each class is tuned on (`warm_up`, `ClassTuner.tune`) and measured on
+# (bench/autotune_map.py), from the H200 map's served shapes: rows_few the tiny first call / short
+# new document, six-short's rows (6 x 32 over a 48-token document; paged attention wants 8 warps
+# there, 4 over 2,200 tokens) and five-long's (5 x 32 over 2,200); rows_mid and rows_wide both ends
+# of the width they serve; docs_few a 2,200-token document and a full 8k chunk; docs_wide 16
+# documents of 2,048. Each shape costs about 5 s of warm-up on the H200 (every config of every hot
+# kernel, Triton's benchmarker), so a class keeps 1-3.
+CLASS_SHAPES: dict[ShapeClass, tuple[ClassShape, ...]] = {
+    ShapeClass.ROWS_FEW: (ClassShape(1, 16), ClassShape(6, 32, 48), ClassShape(5, 32, 2200)),
+    ShapeClass.ROWS_MID: (ClassShape(16, 64, 2200), ClassShape(32, 64, 2200)),
+    ShapeClass.ROWS_WIDE: (ClassShape(96, 32, 2200), ClassShape(96, 64, 2200)),
+    ShapeClass.DOCS_FEW: (ClassShape(1, 2200), ClassShape(1, 8192)),
+    ShapeClass.DOCS_WIDE: (ClassShape(16, 2048),),
 }
 
 
@@ -114,7 +133,7 @@ def hot_autotuners() -> dict[str, Autotuner]:
 
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan
+    from kev.ops.delta_rule import indexed_recurrent, indexed_scan
 
     kernels = {
         "indexed_conv": indexed_conv._tuned_conv_kernel,
@@ -124,6 +143,7 @@ def hot_autotuners() -> dict[str, Autotuner]:
         "recompute_w_u": recompute_w_u_fwd_kernel,
         "indexed_scan": indexed_scan._tuned_scan_kernel,
         "chunk_fwd_o": chunk_fwd_kernel_o,
+        "indexed_recurrent": indexed_recurrent._tuned_recurrent_kernel,  # TritonOps(recurrent_classes=...)
         "paged_prefix_attention": paged_prefix._tuned_attn_kernel,
     }
     return {name: unwrap_autotuner(k) for name, k in kernels.items()}
@@ -157,6 +177,61 @@ class ClassCache(dict):
         return super().pop(self._key(key), *default)
 
 
+class TimingCache(ClassCache):
+    """A fresh cache for one measured pass of `ClassTuner.tune`: it keeps, per (class) key, every
+    config's time as Triton's autotuner measured it. `Autotuner.run` benchmarks an unseen key,
+    stores the fastest config (`cache[key] = ...`) and then keeps all timings in
+    `configs_timings`, until its next benchmark; so a key's timings are taken at the next store or
+    at the end of the pass (`flush`), and only when the stored config is their fastest (a store
+    that no benchmark made, e.g. from fla's config files, is not timed)."""
+
+    def __init__(self, autotuner: Autotuner, drop: tuple[int, ...] = ()):
+        super().__init__(drop)
+        self.autotuner = autotuner
+        self.timings: dict[tuple, dict[Config, float]] = {}  # class key -> config -> time (benchmarker's unit)
+        self.full_keys: dict[tuple, tuple] = {}  # class key -> the full key that first hit it
+        self._stored: tuple[tuple, Config] | None = None
+
+    def __setitem__(self, key, value):
+        self.flush()
+        super().__setitem__(key, value)
+        self._stored = (self._key(key), value)
+        self.full_keys.setdefault(self._key(key), key)
+
+    def flush(self) -> None:
+        if self._stored is None:
+            return
+        (k, value), self._stored = self._stored, None
+        raw = getattr(self.autotuner, "configs_timings", None) or {}
+        if raw and min(raw, key=raw.get) is value:  # how Autotuner.run picked it
+            self.timings[k] = {c: t[0] if isinstance(t, (list, tuple)) else t for c, t in raw.items()}
+
+
+def pick_config(per_shape: list[Mapping[Config, float]], configs: Iterable[Config] = ()) -> Config:
+    """The config with the least total time over a class's shapes (`per_shape`: one shape's
+    timings each). The sum of times, not of ratios to each shape's best: it is the class's GPU time
+    when its shapes run equally often and what the config map reports (chosen total vs the best
+    total), and ratios would let a 5 us shape outvote a 140 us one over a few hundred ns. A config
+    that failed (inf) or was not timed on some shape ranks after every one that ran on all of them.
+    Ties go to the earlier config in `configs` (the kernel's list), then in the timings: the pick
+    is a function of the timings alone. Configs are matched by `str` across shapes."""
+    named: dict[str, Config] = {}
+    for c in [*configs, *(c for t in per_shape for c in t)]:
+        named.setdefault(str(c), c)
+    times = [{str(c): v for c, v in t.items()} for t in per_shape]
+    timed = [name for name in named if any(name in t for t in times)]
+    if not timed:
+        raise ValueError("no config was timed on any shape")
+
+    def rank(i_name):
+        i, name = i_name
+        ts = [t.get(name, math.inf) for t in times]
+        finite = [v for v in ts if math.isfinite(v)]
+        return len(ts) - len(finite), math.fsum(finite), i
+
+    return named[min(enumerate(timed), key=rank)[1]]
+
+
 # One lock for every tuner: the autotuners are process globals, so two passes that swap caches
 # must not interleave (passes of one process run one at a time on its stream anyway).
 _SWAP_LOCK = threading.RLock()
@@ -173,26 +248,30 @@ class ClassTuner:
                              f"into the class caches; unset it")
         self.autotuners = dict(autotuners)
         self._caches: dict[ShapeClass, dict[str, ClassCache]] = {}
+        self._tuned: set[ShapeClass] = set()  # classes `tune` pinned configs for
         self._active: ShapeClass | None = None
         for at in self.autotuners.values():
             at.cache_results = False  # Triton's on-disk autotune cache, off for these kernels
 
+    @staticmethod
+    def _drop(at: Autotuner) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(at.keys) if k in CLASS_KEY_ARGS)
+
     def caches(self, cls: ShapeClass) -> dict[str, ClassCache]:
         """Name -> that class's cache (created empty on first use)."""
         if cls not in self._caches:
-            self._caches[cls] = {name: ClassCache(tuple(i for i, k in enumerate(at.keys) if k in CLASS_KEY_ARGS))
-                                 for name, at in self.autotuners.items()}
+            self._caches[cls] = {name: ClassCache(self._drop(at)) for name, at in self.autotuners.items()}
         return self._caches[cls]
 
     def tuned(self, cls: ShapeClass) -> bool:
-        """Whether every kernel has a config in `cls`'s cache."""
-        return cls in self._caches and all(len(c) for c in self._caches[cls].values())
+        """Whether `cls` was tuned over its shapes (`tune`: every kernel its passes launch has a
+        config; one they never launch, e.g. the delta-rule path the class does not take, needs
+        none) or every kernel has a config in `cls`'s cache."""
+        return cls in self._tuned or (cls in self._caches and all(len(c) for c in self._caches[cls].values()))
 
     @contextmanager
-    def use(self, cls: ShapeClass) -> Iterator[None]:
-        """Every autotuner reads and fills `cls`'s cache inside; the previous caches come back after."""
+    def _swapped(self, cls: ShapeClass, caches: Mapping[str, dict]) -> Iterator[None]:
         with _SWAP_LOCK:
-            caches = self.caches(cls)
             saved = {name: at.cache for name, at in self.autotuners.items()}
             previous, self._active = self._active, cls
             try:
@@ -204,6 +283,40 @@ class ClassTuner:
                     at.cache = saved[name]
                 self._active = previous
 
+    @contextmanager
+    def use(self, cls: ShapeClass) -> Iterator[None]:
+        """Every autotuner reads and fills `cls`'s cache inside; the previous caches come back after."""
+        with _SWAP_LOCK, self._swapped(cls, self.caches(cls)):
+            yield
+
+    def tune(self, cls: ShapeClass, passes: Iterable[Callable[[], object]]) -> dict[str, dict[tuple, Config]]:
+        """Tune `cls` over several shapes: run each of `passes` (one shape's pass each) with fresh
+        caches, so Triton's autotuner benchmarks every config of every key the pass hits; then pin
+        in `cls`'s cache, per kernel and class key, `pick_config` over the shapes that hit that key.
+        A key already in the cache keeps its config (a warmed class never changes). Returns what
+        was pinned now: name -> class key -> config."""
+        measured: dict[str, dict[tuple, list[dict[Config, float]]]] = {name: {} for name in self.autotuners}
+        full_keys: dict[tuple[str, tuple], tuple] = {}
+        for run in passes:
+            fresh = {name: TimingCache(at, self._drop(at)) for name, at in self.autotuners.items()}
+            with self._swapped(cls, fresh):
+                run()
+            for name, cache in fresh.items():
+                cache.flush()
+                for key, timings in cache.timings.items():
+                    measured[name].setdefault(key, []).append(timings)
+                    full_keys.setdefault((name, key), cache.full_keys[key])
+        caches, pinned = self.caches(cls), {}
+        for name, per_key in measured.items():
+            for key, per_shape in per_key.items():
+                full = full_keys[(name, key)]
+                if full not in caches[name]:
+                    caches[name][full] = pick_config(per_shape, self.autotuners[name].configs)
+                    pinned.setdefault(name, {})[key] = caches[name][full]
+        if any(measured.values()):
+            self._tuned.add(cls)
+        return pinned
+
     @property
     def active(self) -> ShapeClass | None:
         return self._active
@@ -211,35 +324,3 @@ class ClassTuner:
     def chosen(self, cls: ShapeClass) -> dict[str, list[str]]:
         """Name -> the configs `cls`'s cache holds (for logs and the config map)."""
         return {name: [str(c) for c in cache.values()] for name, cache in self.caches(cls).items()}
-
-
-@torch.no_grad()
-def warm_up(runner: "Runner", classes: Iterable[ShapeClass] = tuple(ShapeClass), *, row_slot: int = -1,
-            row_prefix: int = 0, seed: int = 0) -> list[ShapeClass]:
-    """Autotune (and compile) every hot kernel for each class: one pass of the class's
-    representative shape through the real model, pools and dtypes. Nothing is written to the
-    bank (write slots -1). Row classes read `row_slot` with `row_prefix` stored tokens when given
-    (a document already in the bank, so attention sees a real prefix), else start from nothing.
-    Call before any CUDA-graph capture. Returns the classes warmed."""
-    if runner.tuner is None:
-        raise ValueError("the runner has no ClassTuner")
-    device, bank, cfg = runner.device, runner.bank, runner.model.cfg
-    gen = torch.Generator().manual_seed(seed)
-    done = []
-    for cls in classes:
-        n, L = REPRESENTATIVE[cls]
-        read, prefix = (row_slot, row_prefix) if cls.rows and row_slot >= 0 else (-1, 0)
-        as_long = dict(dtype=torch.int64, device=device)
-        slots = torch.full((n,), read, **as_long)
-        meta = PassMeta(cu_seqlens=torch.arange(n + 1, **as_long) * L, read_slots=slots,
-                        write_slots=torch.full((n,), -1, **as_long), prefix_lens=torch.full((n,), prefix, **as_long),
-                        block_table=bank.block_table[slots.clamp(min=0)],
-                        positions=(torch.arange(L, **as_long) + prefix).repeat(n))
-        tokens = torch.randint(0, cfg.vocab_size, (n * L,), generator=gen).to(device)
-        picks = torch.arange(n, **as_long) * L + (L - 1)
-        with runner.tuner.use(cls):
-            runner.model(tokens, meta, bank.pools, runner.ops, picks=picks)
-        done.append(cls)
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return done

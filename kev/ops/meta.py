@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kev.ops.autotune import ShapeClass
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,10 +28,20 @@ class PassMeta:
     prefix_lens: torch.Tensor  # [N] int64, tokens already stored for the sequence's document
     block_table: torch.Tensor  # [N, max_blocks] int32, K/V pages of the sequence's slot (-1 unused)
     positions: torch.Tensor | None = None  # [T] int64; given by builders so a pass needs no host sync
+    # The pass's autotune class when it differs from classify(num_seqs, T): a CUDA-graph STATE bucket
+    # counts each document and its padding sequence as one. None: classify from the shapes.
+    shape_class: ShapeClass | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.read_slots.shape[0]
+
+    def pass_class(self, num_tokens: int) -> ShapeClass:
+        """The autotune class of this pass of `num_tokens` tokens (host ints only, no device read):
+        the one its runner tunes under, so a kernel choice by class stays inside warmed caches."""
+        from kev.ops.autotune import classify
+
+        return self.shape_class if self.shape_class is not None else classify(self.num_seqs, num_tokens)
 
     @cached_property
     def host(self) -> "HostMeta":
