@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kev.ops.conv.indexed_conv import preserve_written_slots, shape_class
+from kev.ops.delta_rule.contract import check_delta_rule_args
 
 # (BV, num_warps). Every config computes each output element from the same fp32 values; whether
 # the K reductions also round identically for every config is what the GPU test checks.
@@ -172,20 +173,11 @@ def indexed_recurrent_gated_delta_rule(
     Returns o: [T, HV, V] contiguous, in v's dtype.
     """
     del chunk_indices, chunk_offsets  # the recurrent form has no chunks
+    T, H, K, HV, V = check_delta_rule_args(q, k, v, g, beta)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_features(name, x)
-    if k.shape != q.shape or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, K], v {tuple(v.shape)} [T, HV, V]")
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    if HV % H:
-        raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H} (v {tuple(v.shape)})")
     if K > 256:
         raise ValueError(f"key head dim {K} > 256 is not supported (state [K, BV] lives in registers)")
-    if tuple(g.shape) != (T, HV) or tuple(beta.shape) != (T, HV):
-        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T={T}, HV={HV}]")
-    if g.dtype != torch.float32:
-        raise ValueError(f"g must be fp32, got {g.dtype}")
     out_pool = state_pool if out_pool is None else out_pool
     for name, pool in (("state_pool", state_pool), ("out_pool", out_pool)):
         if pool.ndim != 4 or tuple(pool.shape[1:]) != (HV, K, V) or pool.dtype != torch.float32:
