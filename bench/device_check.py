@@ -9,6 +9,8 @@ which has no redis-server and no package index, carry (see bench/load_compare.py
     .whl_load  grpcio, grpcio-health-checking, grpcio-reflection, protobuf, redis (cp312 wheels)
     .redis_carry  redis-server (Debian 12's 7.0.15) + its uncommon libraries, behind a wrapper script
 
+all three built on the CPU machine by `bash bench/device_carry.sh` (git-ignored), then here:
+
     python3 bench/device_check.py
 """
 
