@@ -21,3 +21,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Triton interpreter tests (test_*_interpret.py, test_delta_rule_recurrent.py): the project's kernel
+# modules reloaded under TRITON_INTERPRET=1 for the module, and NaN-poisoned allocations.
+@pytest.fixture(scope="module")
+def interp():
+    from interpret_support import interpreted_kernels
+
+    with interpreted_kernels() as mods:
+        yield mods
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float tensor the kernels allocate starts as NaN: an unwritten element fails the test."""
+    from interpret_support import poison_empty
+
+    poison_empty(monkeypatch)

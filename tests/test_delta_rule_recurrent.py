@@ -9,7 +9,6 @@ views. The dispatch tests need no kernel: the choice is a host decision by shape
 
 import pytest
 import torch
-from interpret_support import interpreted_kernels, poison_empty
 from kernel_support import packed, rel_err
 
 from kev.ops.autotune import ShapeClass, classify
@@ -18,16 +17,6 @@ from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps, l2_normalize
 
 
-@pytest.fixture(scope="module")
-def interp():
-    with interpreted_kernels() as mods:
-        yield mods
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every float tensor the kernel allocates starts as NaN: an unwritten element fails the test."""
-    poison_empty(monkeypatch)
 
 
 def strided_pool(g, shape):

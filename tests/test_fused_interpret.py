@@ -17,7 +17,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from interpret_support import FakeHopper, compiled_kernels, interpreted_kernels, poison_empty
+from interpret_support import FakeHopper, compiled_kernels
 from kev.ops.fused import reference
 from kev.ops.torch_ops import TorchOps
 from kernel_support import rel_err
@@ -28,15 +28,6 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2}
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module")
-def interp():
-    with interpreted_kernels() as mods:
-        yield mods
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    poison_empty(monkeypatch)
 
 
 def columns(g, T, widths, dtype, scale=1.0):

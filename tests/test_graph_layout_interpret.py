@@ -10,17 +10,11 @@ the real head dims runs on the GPU (tests/test_graphs_gpu.py). Two cases: the in
 import pytest
 import torch
 
-from interpret_support import interpreted_kernels
 from kernel_support import make_pools, packed
 from kev.ops.meta import PassMeta
 from kev.static_pass import GraphKey, PassKind, StaticPass
 from random_models import tiny_config
 
-
-@pytest.fixture(scope="module")
-def interp():
-    with interpreted_kernels() as mods:
-        yield mods
 
 
 def inputs(cfg, T, g):

@@ -16,23 +16,13 @@ from collections import defaultdict
 import pytest
 import torch
 
-from interpret_support import FakeHopper, compiled_kernels, interpreted_kernels, poison_empty
+from interpret_support import FakeHopper, compiled_kernels
 from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps
 from kernel_support import rel_err
 
 
-@pytest.fixture(scope="module")
-def interp():
-    with interpreted_kernels() as mods:
-        yield mods
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every float tensor the kernels allocate starts as NaN: an unwritten element fails the test."""
-    poison_empty(monkeypatch)
 
 
 def packed(lens):
