@@ -4,6 +4,8 @@ Builds its own pools and block tables (optionally as strided views of larger buf
 kernel tests do not depend on the bank allocator's API.
 """
 
+import contextlib
+
 import torch
 
 from kev.bank.layout import StatePools
@@ -80,3 +82,38 @@ def kev4b_heads_config():
     return tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=16,
                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                        linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+@contextlib.contextmanager
+def fast_hot_autotuners():
+    """The hot autotuners (name -> Autotuner) with fast benchmarks and their own caches, for a test
+    module; their globals are put back afterwards."""
+    import functools
+
+    import pytest
+    import triton
+
+    from kev.ops.autotune import hot_autotuners
+
+    with pytest.MonkeyPatch.context() as mp:
+        tuners = hot_autotuners()
+        for at in tuners.values():
+            mp.setattr(at, "cache", at.cache)
+            mp.setattr(at, "cache_results", at.cache_results)
+            mp.setitem(at.__dict__, "do_bench", functools.partial(triton.testing.do_bench, warmup=1, rep=5))
+        yield tuners
+
+
+def stored_then_rows(model, named_ops, docs, write_slots, rows, read_slots, doc_lens, max_doc_tokens):
+    """For each (name, ops): state-pass `docs` into `write_slots` of fresh strided pools (chunks of
+    64 carried in the slot), then the row pass; asserts the row pass left the bank bit for bit as
+    it was. Returns ({name: row outputs}, {name: pools})."""
+    outs, banks = {}, {}
+    for name, ops in named_ops:
+        pools, table = make_pools(model.cfg, 4, max_doc_tokens, 16, torch.float32, "cpu", strided=True)
+        state_pass(model, ops, pools, table, docs, write_slots, chunk=64)
+        before = [t.clone() for t in pools.tensors()]
+        outs[name] = row_pass(model, ops, pools, table, rows, read_slots, doc_lens)
+        assert all(torch.equal(b, a) for b, a in zip(before, pools.tensors())), f"{name}: a row pass wrote the bank"
+        banks[name] = pools
+    return outs, banks

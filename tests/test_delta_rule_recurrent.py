@@ -202,7 +202,7 @@ def test_model_with_recurrent_indexed_equals_gathered_and_reference(interp):
     """Whole tiny model with the recurrent delta rule in every class: indexed == gathered bit for bit,
     ~= torch; rows leave the bank unchanged. Strided pools, repeated and strided read slots, a
     long document state-passed in chunks carried in its slot (its second chunk reads and writes it)."""
-    from kernel_support import make_pools, row_pass, state_pass
+    from kernel_support import stored_then_rows
     from random_models import random_model, tiny_config
 
     model = random_model(tiny_config(hv_per_h=2), seed=3)
@@ -212,15 +212,9 @@ def test_model_with_recurrent_indexed_equals_gathered_and_reference(interp):
     read = torch.tensor([0, 7, 2, 7, 0, 7])[::2]  # a strided index view: slots 0, 2, 0
     doc_lens = torch.tensor([100, 0, 40, 0])
     everywhere = frozenset(ShapeClass)
-    outs, banks = {}, {}
-    for name, ops in (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps(everywhere)),
-                      ("gathered", interp.gathered_ops.GatheredOps(recurrent_classes=everywhere))):
-        pools, table = make_pools(model.cfg, 4, 128, 16, torch.float32, "cpu", strided=True)
-        state_pass(model, ops, pools, table, docs, [2, 0], chunk=64)
-        before = [t.clone() for t in pools.tensors()]
-        outs[name] = row_pass(model, ops, pools, table, rows, read, doc_lens)
-        assert all(torch.equal(b, a) for b, a in zip(before, pools.tensors())), f"{name}: a row pass wrote the bank"
-        banks[name] = pools
+    named = (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps(everywhere)),
+             ("gathered", interp.gathered_ops.GatheredOps(recurrent_classes=everywhere)))
+    outs, banks = stored_then_rows(model, named, docs, [2, 0], rows, read, doc_lens, max_doc_tokens=128)
     assert torch.equal(outs["indexed"], outs["gathered"])
     assert rel_err(outs["torch"], outs["indexed"]) <= 1e-4
     for a, b in zip(banks["torch"].tensors(), banks["indexed"].tensors()):

@@ -13,17 +13,15 @@ head_dim 256), random bf16 weights, documents of 5..1,100 tokens in the bank, ev
 Autotuning here benchmarks with short reps (the configs only have to be consistent, not best).
 """
 
-import functools
 
 import pytest
 import torch
-import triton
 from triton.runtime.autotuner import Autotuner
 
-from kernel_support import kev4b_heads_config, make_pools, packed, rel_err
+from kernel_support import fast_hot_autotuners, kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
 from kev.graphs import Buckets, CapturePolicy, GraphedPasses
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.autotune import ClassTuner, ShapeClass
 from kev.ops.warm_up import warm_up
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
@@ -40,12 +38,7 @@ WARM = (ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID, ShapeClass.ROWS_WIDE, ShapeCla
 @pytest.fixture(scope="module")
 def hot():
     """The hot autotuners with fast benchmarks; their globals are put back afterwards."""
-    with pytest.MonkeyPatch.context() as mp:
-        tuners = hot_autotuners()
-        for at in tuners.values():
-            mp.setattr(at, "cache", at.cache)
-            mp.setattr(at, "cache_results", at.cache_results)
-            mp.setitem(at.__dict__, "do_bench", functools.partial(triton.testing.do_bench, warmup=1, rep=5))
+    with fast_hot_autotuners() as tuners:
         yield tuners
 
 

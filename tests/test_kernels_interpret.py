@@ -231,7 +231,7 @@ def tiny_model():
 def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
     """Whole model, rows continuing stored documents: Triton indexed == gathered bit for bit, ~= torch.
     Strided pools, repeated read slots, a long document state-passed in chunks carried in its slot."""
-    from kernel_support import make_pools, row_pass, state_pass
+    from kernel_support import stored_then_rows
 
     model = tiny_model
     g = torch.Generator().manual_seed(9)
@@ -240,15 +240,9 @@ def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
     slots = [2, 0]
     read = torch.tensor([0, 7, 2, 7, 0, 7])[::2]  # a strided index view: slots 0, 2, 0
     doc_lens = torch.tensor([150, 0, 40, 0])
-    outs, banks = {}, {}
-    for name, ops in (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps()),
-                      ("gathered", interp.gathered_ops.GatheredOps())):
-        pools, table = make_pools(model.cfg, 4, 160, 16, torch.float32, "cpu", strided=True)
-        state_pass(model, ops, pools, table, docs, slots, chunk=64)
-        before = [t.clone() for t in pools.tensors()]
-        outs[name] = row_pass(model, ops, pools, table, rows, read, doc_lens)
-        assert all(torch.equal(b, a) for b, a in zip(before, pools.tensors())), f"{name}: a row pass wrote the bank"
-        banks[name] = pools
+    named = (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps()),
+             ("gathered", interp.gathered_ops.GatheredOps()))
+    outs, banks = stored_then_rows(model, named, docs, slots, rows, read, doc_lens, max_doc_tokens=160)
     assert torch.equal(outs["indexed"], outs["gathered"])
     assert rel_err(outs["torch"], outs["indexed"]) <= 2e-3
     for a, b in zip(banks["torch"].tensors(), banks["indexed"].tensors()):

@@ -10,17 +10,16 @@
 - per-layer GPU time of chunked vs recurrent on the served short shapes (printed, not asserted).
 """
 
-import functools
 
 import pytest
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from kernel_support import kev4b_heads_config, packed, rel_err, row_pass
+from kernel_support import fast_hot_autotuners, kev4b_heads_config, packed, rel_err, row_pass
 from kev.bank.bank import Bank
 from kev.graphs import Buckets, CapturePolicy, GraphedPasses
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.autotune import ClassTuner, ShapeClass
 from kev.ops.warm_up import warm_up
 from kev.ops.delta_rule import indexed_recurrent
 from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
@@ -122,12 +121,7 @@ def test_indexed_equals_gathered_bitwise_recurrent(setup, n_rows):  # noqa: F811
 def graphed_setup():
     """Class-tuned runner with recurrent on for rows_few only (rows_mid warmed chunked); its own
     autotuner caches."""
-    with pytest.MonkeyPatch.context() as mp:
-        hot = hot_autotuners()
-        for at in hot.values():
-            mp.setattr(at, "cache", at.cache)
-            mp.setattr(at, "cache_results", at.cache_results)
-            mp.setitem(at.__dict__, "do_bench", functools.partial(triton.testing.do_bench, warmup=1, rep=5))
+    with fast_hot_autotuners() as hot:
         cfg = kev4b_heads_config()
         model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).cuda()
         bank = Bank.allocate(cfg, num_slots=24, num_blocks=24 * 36, block_size=64, dtype=torch.bfloat16,

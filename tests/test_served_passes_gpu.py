@@ -11,21 +11,19 @@ heads, random bf16 weights, projections fused as `LoadedModel` does on GPU:
 Autotuning here benchmarks with short reps (the configs only have to be consistent, not best).
 """
 
-import functools
 
 import pytest
 import torch
-import triton
 from triton.runtime.autotuner import Autotuner
 
 from kev import passes as passes_module
 from kev.bank.bank import Bank
-from kev.ops.autotune import ShapeClass, hot_autotuners
+from kev.ops.autotune import ShapeClass
 from kev.ops.triton_ops import TritonOps
 from kev.passes import GraphPlan, PassBuilder, PassRole
 from kev.runner import RowBatch, Runner
 from random_models import random_model
-from kernel_support import kev4b_heads_config, rel_err
+from kernel_support import fast_hot_autotuners, kev4b_heads_config, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -37,11 +35,7 @@ BANK_PLAN = GraphPlan(rows=(), docs=((1, 64), (1, 256)), max_graphs=4)
 @pytest.fixture(scope="module")
 def fast_autotune():
     """The hot autotuners with fast benchmarks; their globals are put back afterwards."""
-    with pytest.MonkeyPatch.context() as mp:
-        for at in hot_autotuners().values():
-            mp.setattr(at, "cache", at.cache)
-            mp.setattr(at, "cache_results", at.cache_results)
-            mp.setitem(at.__dict__, "do_bench", functools.partial(triton.testing.do_bench, warmup=1, rep=5))
+    with fast_hot_autotuners():
         yield
 
 
