@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.ops import parse_recurrent_classes
 from kev.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets
 
 
@@ -40,7 +39,6 @@ class BankConfig:
     ops: str = ""  # kev.ops backend for state passes ("torch" | "triton"); "": torch on CPU, triton on CUDA
     graph_docs: str = DEFAULT_DOC_BUCKETS  # KEV_GRAPH_DOCS: state buckets (DxL) captured at start-up on CUDA
     max_graphs: int = 24  # KEV_MAX_GRAPHS: CUDA graphs kept (LRU); 0: none
-    recurrent_classes: str = ""  # KEV_RECURRENT_CLASSES: classes whose delta rule runs the recurrent kernel (GPU)
     block_size: int = 64  # tokens per paged K/V block
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)
@@ -65,10 +63,6 @@ class BankConfig:
             raise ConfigError(f"KEV_LEASE_SECONDS must be in (0, {self.max_lease_seconds}], got {self.lease_seconds}")
         if self.ops not in ("", "torch", "triton"):
             raise ConfigError(f"--ops must be 'torch' or 'triton', got {self.ops!r}")
-        try:
-            parse_recurrent_classes(self.recurrent_classes)
-        except ValueError as e:
-            raise ConfigError(f"KEV_RECURRENT_CLASSES: {e}") from None
         if self.max_graphs < 0:
             raise ConfigError(f"KEV_MAX_GRAPHS must be >= 0, got {self.max_graphs}")
         try:
@@ -107,7 +101,6 @@ class BankConfig:
         p.add_argument("--ops", default=d["ops"].default, choices=("torch", "triton"))
         p.add_argument("--graph-docs", default=env.get("KEV_GRAPH_DOCS", "") or d["graph_docs"].default)
         p.add_argument("--max-graphs", default=env.get("KEV_MAX_GRAPHS", "") or str(d["max_graphs"].default))
-        p.add_argument("--recurrent-classes", default=env.get("KEV_RECURRENT_CLASSES", d["recurrent_classes"].default))
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens", "max_pass_documents",
                      "grpc_workers", "torch_threads"):
             p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)

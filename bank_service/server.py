@@ -174,7 +174,7 @@ class BankService:
             block_size=cfg.block_size, avg_doc_tokens=cfg.avg_doc_tokens, max_doc_tokens=cfg.max_document_tokens,
             shm_dir=cfg.shm_dir)
         bank = self.shared.bank
-        ops = get_ops(cfg.ops_backend, recurrent_classes=cfg.recurrent_classes)
+        ops = get_ops(cfg.ops_backend)
         # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/passes.py); on CPU a Runner.
         passes = PassBuilder(loaded.model, ops, PassRole.STATES, cfg.graph_plan).build(bank)
         self._warm_up(passes, bank)

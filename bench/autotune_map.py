@@ -177,12 +177,10 @@ def class_entry(kernel: str, cls: ShapeClass, shapes: dict[str, tuple[dict[str, 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/autotune_classes.json")
-    ap.add_argument("--recurrent-classes", default="", help="comma-separated classes whose passes run the "
-                    "recurrent delta rule (TritonOps(recurrent_classes=...)); default none")
     args = ap.parse_args()
     cfg = kev4b_config()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    layer, ops = Layer(cfg, gen), TritonOps([c for c in args.recurrent_classes.split(",") if c])
+    layer, ops = Layer(cfg, gen), TritonOps()
     hot = hot_autotuners()
     tuner = ClassTuner(hot)
     first, _ = shape_table(layer, ops, hot, FIRST_CALL, gen)
@@ -199,7 +197,7 @@ def main():
             tables[str(s)] = shape_table(layer, ops, hot, s, gen, tuner, cls)
             torch.cuda.empty_cache()
         launched = {name: {label: (t[name], used[name]) for label, (t, used) in tables.items() if name in t}
-                    for name in hot}  # a kernel a class's passes never launch (another delta-rule path) has no entry
+                    for name in hot}  # a kernel a class's passes never launch has no entry
         entries = [class_entry(name, cls, shapes_of, first_pick.get(name)) for name, shapes_of in launched.items()
                    if shapes_of]
         result["classes"] += entries
@@ -208,7 +206,6 @@ def main():
                           for e in entries), flush=True)
         with open(args.out, "w") as f:  # partial results survive a time-out
             json.dump(result, f, indent=1)
-    result["recurrent_classes"] = sorted(c.value for c in ops.recurrent_classes)
     result["worst_chosen_over_best"] = max(e["chosen_over_best"] for e in result["classes"])
     result["worst_shape_chosen_over_best"] = max(d["chosen_over_best"] for e in result["classes"] for d in e["shapes"])
     write_json(args.out, result)

@@ -24,7 +24,6 @@ import torch
 
 from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
-from kev.ops.autotune import ShapeClass
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
@@ -58,11 +57,10 @@ def cached_rows(model, cfg, doc_tokens, docs, per_doc, row_tokens):
     return bank, batch, runner.row_meta(batch)
 
 
-def run_case(model, cfg, doc_tokens, rows, row_tokens, reps, tflops, recurrent=frozenset()):
-    """`recurrent`: shape classes whose passes run the recurrent delta rule (TritonOps(recurrent_classes=...))."""
+def run_case(model, cfg, doc_tokens, rows, row_tokens, reps, tflops):
     docs = 16
     bank, batch, meta = cached_rows(model, cfg, doc_tokens, docs, rows // docs, row_tokens)
-    served, before_ops = TritonOps(recurrent), TorchElementwiseOps(recurrent)
+    served, before_ops = TritonOps(), TorchElementwiseOps()
     snapshot = [t.clone() for t in bank.pools.tensors()]
 
     def pass_with(ops):
@@ -91,9 +89,7 @@ def run_case(model, cfg, doc_tokens, rows, row_tokens, reps, tflops, recurrent=f
               "efficiency": floor / med(t_served), "before_fusion_ms": med(t_before),
               "before_fusion_efficiency": floor / med(t_before), "eager_ms": med(eager),
               "graph_equals_eager": graph_equals_eager, "bank_unchanged": unchanged,
-              "rel_err_vs_before_fusion": rel_err(out_before, out), "reps": reps,
-              "recurrent_classes": sorted(c.value for c in served.recurrent_classes),
-              "recurrent_delta_rule": served.recurrent(meta, batch.tokens.shape[0])}
+              "rel_err_vs_before_fusion": rel_err(out_before, out), "reps": reps}
     del g_before, g_served, keep
     return result, (bank, batch, meta)
 
@@ -176,18 +172,14 @@ def main():
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--row-tokens", type=int, default=64)
     ap.add_argument("--doc-tokens", type=int, nargs="+", default=[2200, 370], help="first: the reported case")
-    ap.add_argument("--recurrent-classes", default="none",
-                    help="comma list of shape classes whose passes run the one-launch recurrent delta rule "
-                         "(96 x 64 rows are rows_wide; 'none': chunked everywhere)")
     args = ap.parse_args()
-    recurrent = frozenset(ShapeClass(c) for c in args.recurrent_classes.split(",") if c and c != "none")
     cfg = kev4b_config()
     model = random_model(cfg)
     tflops = matmul_tflops()
     info = run_info()
     cases = []
     for i, doc in enumerate(args.doc_tokens):
-        case, state = run_case(model, cfg, doc, args.rows, args.row_tokens, args.reps, tflops, recurrent)
+        case, state = run_case(model, cfg, doc, args.rows, args.row_tokens, args.reps, tflops)
         cases.append(case)
         write_json(args.out, {**info, **cases[0], "cases": cases})  # after every case: a cut-off run keeps it
         if i == 0:  # the reported case: a profile, and its kernels one by one

@@ -1,14 +1,15 @@
 """Model time of one request alone, with CUDA graphs (issue 5's single-request figures).
 
 Kev-4B shapes, random bf16 weights. six-short: a new 48-token document and 6 question rows of
-32 tokens; five-long: a 2,200-token document and 5 rows of 32 tokens. `new_ms` = state pass +
-row pass (the document is not in the bank), `cached_ms` = row pass only. Wall time from the host
-call to the GPU being done (row batch built and copied in, both passes, one sync), medians.
+32 tokens; five-long: a 2,200-token document and 5 rows of 32 tokens. `new_ms`: the document is
+not in the bank, and it and the rows go through one sweep over the weights
+(`state_and_row_pass`, what the engine runs); `two_pass_new_ms`: the same as a state pass, then a
+row pass (side by side); `cached_ms` = row pass only. Wall time from the host call to the GPU
+being done (row batch built and copied in, the passes, one sync), medians of alternating reps.
 Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
 `GraphedPasses.capture`). The same passes eager (no graphs) are reported beside them.
 
-    python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE] \
-        [--recurrent-classes none rows_few]   # chunked vs the one-launch recurrent delta rule, one run
+    python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE]
 
 `--profile-out` also writes, per workload, the top GPU kernels of one graphed new request and
 of the same request eager, with the kernels' summed GPU time beside the wall time (what is left
@@ -31,6 +32,7 @@ from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
 from kev.ops.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
+from kev.static_pass import SweepKey
 
 WORKLOADS = {"six-short": (48, 6, 32), "five-long": (2200, 5, 32)}  # doc tokens, rows, row tokens
 
@@ -43,16 +45,20 @@ def timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def request(passes, bank, doc, rows, cached: BankHandle | None = None):
-    """One request: a state pass (new: `cached` is None) + the row pass. Returns the picked states."""
+def request(passes, bank, doc, rows, cached: BankHandle | None = None, one_sweep: bool = True):
+    """One request: new (`cached` is None: one sweep, or a state pass then the row pass) or cached
+    (the row pass). Returns the picked states."""
     handle = cached if cached is not None else bank.alloc(len(doc))
     batch = RowBatch.build(rows, [handle] * len(rows), [len(doc)] * len(rows), [[len(r) - 1] for r in rows],
                            device="cuda")
-    if cached is None:
+    if cached is not None:
+        return passes.row_pass(batch)
+    if one_sweep:
+        out = passes.state_and_row_pass([doc], [handle], batch)
+    else:
         passes.state_pass([doc], [handle])
-    out = passes.row_pass(batch)
-    if cached is None:
-        bank.free(handle)
+        out = passes.row_pass(batch)
+    bank.free(handle)
     return out
 
 
@@ -61,33 +67,19 @@ def main():
     ap.add_argument("--out", default="bench/results/single_request.json")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--profile-out", default=None)
-    ap.add_argument("--recurrent-classes", nargs="+", default=["none"], metavar="CLASSES",
-                    help="one run per value: a comma list of shape classes whose passes run the one-launch "
-                         "recurrent delta rule (e.g. rows_few or rows_few,rows_mid; 'none': chunked everywhere). "
-                         "The first is the reported one; all are timed on the same model, documents and rows")
     args = ap.parse_args()
-    variants = [frozenset(ShapeClass(c) for c in v.split(",") if c and c != "none") for v in args.recurrent_classes]
     cfg = kev4b_config()
-    model = random_model(cfg)
+    model = random_model(cfg).fuse_projections()
     bank = Bank.allocate(cfg, num_slots=8, num_blocks=8 * 36, block_size=64, dtype=torch.bfloat16, device="cuda",
                          max_doc_tokens=2304)
-    result = {**run_info(), "variants": {}}
     profiles: list[str] = []
-    for i, recurrent in enumerate(variants):
-        label = ",".join(sorted(c.value for c in recurrent)) or "none"
-        timings = run_variant(args, cfg, model, bank, recurrent, profiles, label)
-        result["variants"][label] = timings
-        if i == 0:  # the reported figures (the schema of issue 5's single_request.json)
-            result.update(timings, recurrent_classes=label)
-        write_json(args.out, result)
-        torch.cuda.empty_cache()
+    result = {**run_info(), **measure(args, cfg, model, bank, profiles)}
     write_json(args.out, result)
 
 
-def run_variant(args, cfg, model, bank, recurrent, profiles, label) -> dict:
-    """Warm, capture and time both workloads with `TritonOps(recurrent_classes=recurrent)` on a
-    fresh class tuner; the same documents and rows for every variant (one seed)."""
-    runner = Runner(model, bank, TritonOps(recurrent_classes=recurrent), tuner=ClassTuner(hot_autotuners()))
+def measure(args, cfg, model, bank, profiles) -> dict:
+    """Warm, capture and time both workloads (one seed: the same documents and rows every run)."""
+    runner = Runner(model, bank, TritonOps(), tuner=ClassTuner(hot_autotuners()))
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()  # start-up as a server does it: documents' class, one document, rows' class
     warm_up(runner, [ShapeClass.DOCS_FEW])
@@ -101,31 +93,39 @@ def run_variant(args, cfg, model, bank, recurrent, profiles, label) -> dict:
     for name, (doc_tokens, n_rows, row_tokens) in WORKLOADS.items():
         doc = torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist()
         rows = [torch.randint(0, cfg.vocab_size, (row_tokens,), generator=gen).tolist() for _ in range(n_rows)]
-        keys = [graphed.buckets.state_key(1, doc_tokens), graphed.buckets.row_key(n_rows, row_tokens, n_rows)]
+        state_key, row_key = graphed.buckets.state_key(1, doc_tokens), graphed.buckets.row_key(n_rows, row_tokens, n_rows)
+        keys = [SweepKey(state_key, row_key), state_key, row_key]
         t0 = time.perf_counter()
         graphed.capture(keys)
         capture_s = time.perf_counter() - t0
         cached = bank.alloc(doc_tokens)
         kept.append(cached)
         runner.state_pass([doc], [cached])
+        cases = {"new": lambda p: request(p, bank, doc, rows), "cached": lambda p: request(p, bank, doc, rows, cached),
+                 "two_pass_new": lambda p: request(p, bank, doc, rows, one_sweep=False)}
         for passes in (graphed, runner):  # warm both paths (allocator, first launches)
-            request(passes, bank, doc, rows), request(passes, bank, doc, rows, cached)
-        times = {k: [] for k in ("new", "cached", "eager_new", "eager_cached")}
+            for case in cases.values():
+                case(passes)
+        times = {f"{pre}{k}": [] for pre in ("", "eager_") for k in cases}
         for _ in range(args.reps):  # alternate so drift hits all alike
-            times["new"].append(timed(lambda: request(graphed, bank, doc, rows)))
-            times["cached"].append(timed(lambda: request(graphed, bank, doc, rows, cached)))
-            times["eager_new"].append(timed(lambda: request(runner, bank, doc, rows)))
-            times["eager_cached"].append(timed(lambda: request(runner, bank, doc, rows, cached)))
+            for k, case in cases.items():
+                times[k].append(timed(lambda: case(graphed)))
+                times[f"eager_{k}"].append(timed(lambda: case(runner)))
         g_out, e_out = request(graphed, bank, doc, rows, cached), request(runner, bank, doc, rows, cached)
+        g_new, e_new = request(graphed, bank, doc, rows), request(runner, bank, doc, rows)
+        two_pass = request(graphed, bank, doc, rows, one_sweep=False)
         med = {k: statistics.median(v) for k, v in times.items()}
-        result[name] = {"new_ms": med["new"], "cached_ms": med["cached"], "eager_new_ms": med["eager_new"],
-                        "eager_cached_ms": med["eager_cached"], "doc_tokens": doc_tokens, "rows": n_rows,
+        result[name] = {**{f"{k}_ms": v for k, v in med.items()}, "doc_tokens": doc_tokens, "rows": n_rows,
                         "row_tokens": row_tokens, "graph_keys": [str(k) for k in keys], "capture_s": capture_s,
                         "graphed_vs_eager_max_abs": (g_out.float() - e_out.float()).abs().max().item(),
+                        "graphed_vs_eager_new_max_abs": (g_new.float() - e_new.float()).abs().max().item(),
+                        "one_sweep_vs_two_pass_rel": ((g_new.float() - two_pass.float()).norm()
+                                                      / two_pass.float().norm()).item(),
                         "graph_stats": vars(graphed.stats).copy(), "reps": args.reps}
-        print(f"recurrent={label} {name}: new {med['new']:.2f} ms, cached {med['cached']:.2f} ms", flush=True)
+        print(f"{name}: new {med['new']:.2f} ms (two passes {med['two_pass_new']:.2f}), "
+              f"cached {med['cached']:.2f} ms", flush=True)
         if args.profile_out:
-            profiles.append(profile_request(f"{name} (recurrent={label})", graphed, runner, bank, doc, rows))
+            profiles.append(profile_request(name, graphed, runner, bank, doc, rows))
             with open(args.profile_out, "w") as f:
                 f.write("\n".join(profiles))
     for h in kept:

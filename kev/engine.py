@@ -1,8 +1,8 @@
 """In-process scoring: `Engine.score(request) -> response`, the whole product in one object.
 
 The flow every deployment shares, in one place:
-    prepare (validate + render)  ->  document handles (bank hit, or a state pass)
-    ->  one row pass over every question row  ->  head  ->  answers
+    prepare (validate + render)  ->  document handles (bank hit, or a new slot)
+    ->  one sweep: new documents' state pass and every question row  ->  head  ->  answers
 The scorer service runs the same steps with the bank in another process; `answer_rows` and
 `row_batch_for` are what both use.
 """
@@ -125,8 +125,9 @@ class Engine:
         return response
 
     def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResponse | Exception]:
-        """Scores requests together (one state pass for new documents, one row pass); a bad
-        request gets its own exception in its place and does not affect the others."""
+        """Scores requests together (new documents and every row in one sweep over the weights,
+        `state_and_row_pass`); a bad request gets its own exception in its place and does not
+        affect the others."""
         start = time.perf_counter()
         results: list[ScoreResponse | Exception | None] = [None] * len(requests)
         prepared, where = [], []
@@ -137,8 +138,12 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - returned to its caller, not swallowed
                 results[i] = err
         if prepared:
-            handles, cached = self._document_handles([p.document_ids for p in prepared])
-            hidden = self.passes.row_pass(row_batch_for(prepared, handles, self.bank.block_table.device))
+            handles, cached, new = self._document_handles([p.document_ids for p in prepared])
+            batch = row_batch_for(prepared, handles, self.bank.block_table.device)
+            if new:
+                hidden = self._store_new(new, batch)
+            else:
+                hidden = self.passes.row_pass(batch)
             per_request = answer_rows(self.loaded.head, prepared, hidden)
             ms = (time.perf_counter() - start) * 1000
             for i, p, ans, hit in zip(where, prepared, per_request, cached):
@@ -148,12 +153,27 @@ class Engine:
                 results[i] = ScoreResponse(answers=ans, usage=usage, model_ms=ms, model=self.loaded.model_id)
         return results
 
-    def _document_handles(self, documents: Sequence[Sequence[int]]) -> tuple[list[BankHandle], list[bool]]:
-        """A live handle per document; new documents are state-passed together."""
+    def _store_new(self, new: dict[str, tuple[Sequence[int], BankHandle]], batch: RowBatch) -> torch.Tensor:
+        """One sweep: the new documents into their slots, and the rows; the documents are kept only
+        if the pass ran (a failed pass gives their slots back)."""
+        docs, handles = [d for d, _ in new.values()], [h for _, h in new.values()]
+        try:
+            hidden = self.passes.state_and_row_pass(docs, handles, batch)
+        except BaseException:
+            for h in handles:
+                self.bank.free(h)
+            raise
+        for key, (_, h) in new.items():
+            self._documents[key] = h
+        return hidden
+
+    def _document_handles(self, documents: Sequence[Sequence[int]]
+                          ) -> tuple[list[BankHandle], list[bool], dict[str, tuple[Sequence[int], BankHandle]]]:
+        """A handle per document and whether it was stored; new documents (key -> (tokens, handle))
+        get a slot here and their states in the sweep (`_store_new`)."""
         keys = [document_key(self.loaded.model_id, d) for d in documents]
         handles: dict[str, BankHandle] = {}
-        hits = []
-        new_keys, new_docs = [], []
+        hits, new = [], {}
         for key, doc in zip(keys, documents):
             if key in self._documents:
                 self._documents.move_to_end(key)
@@ -162,15 +182,15 @@ class Engine:
             elif key in handles:  # a repeat inside this batch: state-passed once
                 hits.append(False)
             else:
-                handles[key] = self._alloc(len(doc), protect=set(keys))
-                new_keys.append(key)
-                new_docs.append(doc)
+                try:
+                    handles[key] = self._alloc(len(doc), protect=set(keys))
+                except BaseException:
+                    for _, h in new.values():
+                        self.bank.free(h)
+                    raise
+                new[key] = (doc, handles[key])
                 hits.append(False)
-        if new_docs:
-            self.passes.state_pass(new_docs, [handles[k] for k in new_keys])
-            for k in new_keys:
-                self._documents[k] = handles[k]
-        return [handles[k] for k in keys], hits
+        return [handles[k] for k in keys], hits, new
 
     def _alloc(self, tokens: int, protect: set[str]) -> BankHandle:
         while True:

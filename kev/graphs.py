@@ -1,6 +1,7 @@
 """CUDA graphs for row passes and short state passes, bucketed by (sequences, tokens each, picks).
 
-`GraphedPasses` mirrors `Runner.row_pass` / `Runner.state_pass`. A pass that fits a bucket
+`GraphedPasses` mirrors `Runner.row_pass` / `Runner.state_pass` / `Runner.state_and_row_pass`
+(one sweep: a `SweepKey`, a state bucket and a row bucket packed back to back). A pass that fits a bucket
 (`Buckets`) is padded into that bucket's static buffers (`kev.static_pass`); if the bucket has a
 graph it is replayed, else the same padded pass runs eagerly (same kernels, same autotune class,
 so the answer never depends on whether a graph existed). A pass that fits no bucket (too many
@@ -33,7 +34,11 @@ from kev.bank.bank import BankHandle
 from kev.ops.attention.paged_prefix import query_block
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
-from kev.static_pass import GraphKey, PassKind, StaticPass
+from kev.ops.meta import PhasedMeta
+from kev.static_pass import GraphKey, PassKind, StaticPass, SweepKey
+
+
+AnyKey = GraphKey | SweepKey  # a single pass's bucket, or one sweep's
 
 
 class CapturePolicy(enum.Enum):
@@ -82,8 +87,9 @@ class GraphStats:
 
 
 class _Entry:
-    def __init__(self, static: StaticPass):
-        self.static = static
+    def __init__(self, static: StaticPass, rows: StaticPass | None = None):
+        self.static = static  # a SweepKey's: its documents (STATE layout)
+        self.rows = rows  # a SweepKey's rows (ROWS layout); None for a single pass
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
@@ -98,10 +104,10 @@ class GraphedPasses:
         cfg = runner.model.cfg
         self.attn_block = query_block(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.stats = stats if stats is not None else GraphStats()  # shared: a process's counts over re-attaches
-        self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
-        self._uses: Counter[GraphKey] = Counter()
-        self._pending: list[GraphKey] = []
-        self.failed: set[GraphKey] = set()
+        self._entries: OrderedDict[AnyKey, _Entry] = OrderedDict()
+        self._uses: Counter[AnyKey] = Counter()
+        self._pending: list[AnyKey] = []
+        self.failed: set[AnyKey] = set()
         self._pool = None
 
     # ---- the two passes ------------------------------------------------------------------------
@@ -134,6 +140,29 @@ class GraphedPasses:
         entry.static.fill_state(documents, [h.slot for h in handles], self.runner.bank.block_table)
         self._run(key, entry)
 
+    @torch.no_grad()
+    def state_and_row_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
+                           batch: RowBatch) -> torch.Tensor:
+        """Same as `Runner.state_and_row_pass`: one sweep in a `SweepKey` bucket when the documents
+        fit a state bucket and the rows a row bucket; else the two passes, each graphed if it can be."""
+        lens = [len(d) for d in documents]
+        state = self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
+        rows = None
+        if batch.row_lens:
+            rows = self.buckets.row_key(len(batch.row_lens), max(batch.row_lens), batch.picks.shape[0])
+        if state is None or rows is None:
+            self.state_pass(documents, handles)
+            return self.row_pass(batch)
+        for h in handles:
+            self.runner.bank.check(h)
+        key = SweepKey(state, rows)
+        entry = self._entry(key)
+        table = self.runner.bank.block_table
+        entry.static.fill_state(documents, [h.slot for h in handles], table)
+        P = entry.rows.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions,
+                                 batch.picks, table)
+        return self._run(key, entry)[:P].clone()
+
     def state_bucket(self, num_docs: int, max_len: int) -> GraphKey | None:
         """The bucket a state pass of `num_docs` new documents (the longest `max_len` tokens) runs
         in, or None: it runs the plain Runner (too many tokens, or a document longer than a chunk)."""
@@ -144,15 +173,15 @@ class GraphedPasses:
     # ---- capture -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def capture(self, keys: Iterable[GraphKey]) -> None:
+    def capture(self, keys: Iterable[AnyKey]) -> None:
         """Capture graphs for `keys` now (start-up, after `warm_up`), on synthetic fills: rows of L
         tokens from nothing, or documents written nowhere."""
         for key in keys:
             entry = self._entry(key)
-            self._fill_synthetic(entry.static)
+            self._fill_synthetic(entry)
             self._capture(key, entry)
 
-    def queue(self, keys: Iterable[GraphKey]) -> None:
+    def queue(self, keys: Iterable[AnyKey]) -> None:
         """Queue `keys` for `capture_pending` (a start-up list that must not be captured by the
         calling thread). No GPU work here: the buffers are made by the capturing thread."""
         for key in keys:
@@ -169,7 +198,7 @@ class GraphedPasses:
             entry = self._entries.get(key)
             if entry is None:  # from `queue`: never run yet
                 entry = self._entry(key)
-                self._fill_synthetic(entry.static)
+                self._fill_synthetic(entry)
             if entry.graph is None and key not in self.failed:
                 with torch.no_grad():
                     self._try_capture(key, entry)
@@ -177,20 +206,27 @@ class GraphedPasses:
         return done
 
     @property
-    def pending(self) -> list[GraphKey]:
+    def pending(self) -> list[AnyKey]:
         return list(self._pending)
 
-    def graphs(self) -> list[GraphKey]:
+    def graphs(self) -> list[AnyKey]:
         return [k for k, e in self._entries.items() if e.graph is not None]
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _entry(self, key: GraphKey) -> _Entry:
+    def _static(self, key: GraphKey) -> StaticPass:
+        static = StaticPass(key, self.runner.bank.block_table.shape[1], self.attn_block, self.runner.device)
+        self.runner.ops.pin(static.meta, static.indices())
+        return static
+
+    def _entry(self, key: AnyKey) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            static = StaticPass(key, self.runner.bank.block_table.shape[1], self.attn_block, self.runner.device)
-            self.runner.ops.pin(static.meta, static.indices())
-            entry = self._entries[key] = _Entry(static)
+            if isinstance(key, SweepKey):
+                entry = _Entry(self._static(key.state), self._static(key.rows))
+            else:
+                entry = _Entry(self._static(key))
+            self._entries[key] = entry
             while len(self._entries) > self.max_entries:
                 self._evict(next(iter(self._entries)))
         self._entries.move_to_end(key)
@@ -198,9 +234,14 @@ class GraphedPasses:
 
     def _forward(self, entry: _Entry) -> torch.Tensor:
         s, r = entry.static, self.runner
-        return r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
+        if entry.rows is None:
+            return r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
+        rows, Td = entry.rows, s.key.num_tokens  # one sweep: the documents' tokens, then the rows'
+        meta = PhasedMeta((s.meta, rows.meta), (Td, rows.key.num_tokens))
+        return r.model(torch.cat([s.tokens, rows.tokens]), meta, r.bank.pools, r.ops, picks=rows.picks + Td,
+                       mixer_scope=r.phase_scope)
 
-    def _run(self, key: GraphKey, entry: _Entry) -> torch.Tensor:
+    def _run(self, key: AnyKey, entry: _Entry) -> torch.Tensor:
         if entry.graph is None and key not in self.failed:
             self._uses[key] += 1
             if self.policy is CapturePolicy.ON_FIRST_USE:
@@ -216,7 +257,7 @@ class GraphedPasses:
         with self.runner.tuned(key.shape_class):
             return self._forward(entry)
 
-    def _try_capture(self, key: GraphKey, entry: _Entry) -> None:
+    def _try_capture(self, key: AnyKey, entry: _Entry) -> None:
         """A lazy capture that fails leaves the bucket eager for good (and says why in stats)."""
         try:
             self._capture(key, entry)
@@ -224,7 +265,7 @@ class GraphedPasses:
             self.failed.add(key)
             self.stats.capture_errors.append(f"{key}: {e!r}")
 
-    def _capture(self, key: GraphKey, entry: _Entry) -> None:
+    def _capture(self, key: AnyKey, entry: _Entry) -> None:
         with self.runner.tuned(key.shape_class):
             entry.graph, entry.out = self._record(entry)
         self.stats.captures += 1
@@ -249,7 +290,7 @@ class GraphedPasses:
             out = self._forward(entry)
         return graph, out
 
-    def _evict(self, key: GraphKey) -> None:
+    def _evict(self, key: AnyKey) -> None:
         entry = self._entries.pop(key)
         if entry.graph is not None:
             entry.graph.reset()
@@ -257,7 +298,12 @@ class GraphedPasses:
         if key in self._pending:
             self._pending.remove(key)
 
-    def _fill_synthetic(self, s: StaticPass) -> None:
+    def _fill_synthetic(self, entry: _Entry) -> None:
+        for s in (entry.static, entry.rows):
+            if s is not None:
+                self._fill_synthetic_static(s)
+
+    def _fill_synthetic_static(self, s: StaticPass) -> None:
         key, device = s.key, self.runner.device
         if key.kind is PassKind.ROWS:
             R, L = key.seqs, key.seq_len

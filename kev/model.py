@@ -2,7 +2,8 @@
 
 One `forward` serves both passes: a state pass (documents; final states written to bank slots)
 and a row pass (question rows continuing stored states, nothing written). Which is which is
-only in the `PassMeta`. Token mixing and every elementwise step (norms, activations, RoPE) go
+only in the `PassMeta`. A `PhasedMeta` makes one sweep over the weights serve new documents and
+rows over them: token-wise work once over all tokens, token mixing phase by phase. Token mixing and every elementwise step (norms, activations, RoPE) go
 through an `Ops` backend: `TorchOps` keeps the CPU's exact batch-invariant maths, the GPU ops run
 fused kernels. The model itself computes the projections. Parameter names match transformers'
 `Qwen3_5TextModel`.
@@ -16,7 +17,8 @@ GEMM per projection).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +28,32 @@ from kev.bank.layout import StatePools
 from kev.config import LayerType, ModelConfig
 from kev.invariant import tiled_linear
 from kev.ops import Ops, PassMeta
+from kev.ops.meta import PhasedMeta, as_phases
 from kev.ops.fused import reference
 from kev.ops.fused.reference import apply_rope, rms_norm  # noqa: F401  (the model's maths, kept importable here)
+
+
+Phases = list[tuple[int, int, PassMeta]]  # (first token, end token, meta) of each phase, in order
+# Context for one phase's token mixing, from (its meta, its tokens): the phase's autotune class
+MixerScope = Callable[[PassMeta, int], AbstractContextManager]
+
+
+def _no_scope(meta: PassMeta, num_tokens: int) -> AbstractContextManager:
+    return nullcontext()
+
+
+def mix_by_phase(phases: Phases, scope: MixerScope, mix, *tensors: torch.Tensor) -> torch.Tensor:
+    """`mix(meta, *token slices)` phase by phase, in order (a phase sees every write of the ones
+    before it); the outputs joined along tokens. One phase: the tensors as they are, no copy."""
+    if len(phases) == 1:
+        (_, end, meta), = phases
+        with scope(meta, end):
+            return mix(meta, *tensors)
+    outs = []
+    for start, end, meta in phases:
+        with scope(meta, end - start):
+            outs.append(mix(meta, *(t[start:end] for t in tensors)))
+    return torch.cat(outs)
 
 
 class Linear(nn.Linear):
@@ -116,20 +142,24 @@ class GatedDeltaNet(nn.Module):
     def fuse_projections(self) -> None:
         self.fused = FusedProjection([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
-    def forward(self, x, meta: PassMeta, ops: Ops, recurrent_pool, conv_pool):
+    def forward(self, x, phases: Phases, ops: Ops, recurrent_pool, conv_pool, scope: MixerScope = _no_scope):
         cfg, T = self.cfg, x.shape[0]
         H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if self.fused is not None:
             mixed, z, b, a = self.fused(x)  # column views of one [T, conv_dim + value_dim + 2 HV] buffer
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        qkv = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool)  # [T, conv_dim]
-        # q, k, v stay column views of one buffer: the ops take strides, nothing copies.
-        q = qkv[:, : cfg.linear_key_dim].unflatten(1, (H, K))
-        k = qkv[:, cfg.linear_key_dim : 2 * cfg.linear_key_dim].unflatten(1, (H, K))
-        v = qkv[:, 2 * cfg.linear_key_dim :].unflatten(1, (HV, V))
         g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
-        o = ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [T, HV, V]
+
+        def mix(meta, mixed, g, beta):  # one phase's sequences: the conv, then the delta rule
+            qkv = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool)  # [t, conv_dim]
+            # q, k, v stay column views of one buffer: the ops take strides, nothing copies.
+            q = qkv[:, : cfg.linear_key_dim].unflatten(1, (H, K))
+            k = qkv[:, cfg.linear_key_dim : 2 * cfg.linear_key_dim].unflatten(1, (H, K))
+            v = qkv[:, 2 * cfg.linear_key_dim :].unflatten(1, (HV, V))
+            return ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [t, HV, V]
+
+        o = mix_by_phase(phases, scope, mix, mixed, g, beta)  # [T, HV, V]
         o = ops.gated_rms_norm(o, z.unflatten(1, (HV, V)), self.norm.weight, self.norm.eps)  # [T, HV, V]
         return self.out_proj(o.reshape(T, HV * V))
 
@@ -152,7 +182,7 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         self.fused = FusedProjection([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x, rope, meta: PassMeta, ops: Ops, key_pages, value_pages):
+    def forward(self, x, rope, phases: Phases, ops: Ops, key_pages, value_pages, scope: MixerScope = _no_scope):
         cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
         if self.fused is not None:
             qg, k, v = self.fused(x)  # column views of one [T, Hq 2D + 2 Hkv D] buffer
@@ -164,7 +194,8 @@ class Attention(nn.Module):
         k = ops.rms_norm_rope(k.unflatten(1, (cfg.num_key_value_heads, D)), self.k_norm.weight, self.k_norm.eps,
                               *rope)  # [T, Hkv, D]
         v = v.unflatten(1, (cfg.num_key_value_heads, D))
-        o = ops.attention(q, k, v, meta, key_pages, value_pages)  # [T, Hq, D]
+        o = mix_by_phase(phases, scope, lambda meta, q, k, v: ops.attention(q, k, v, meta, key_pages, value_pages),
+                         q, k, v)  # [T, Hq, D]
         return self.o_proj(ops.sigmoid_mul(o, gate).reshape(T, -1))
 
 
@@ -262,11 +293,13 @@ class Qwen35Model(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,  # [T] packed token ids
-        meta: PassMeta,
+        meta: PassMeta | PhasedMeta,
         pools: StatePools,
         ops: Ops,
         picks: torch.Tensor | None = None,  # [P] packed indices whose final hidden states to return
+        mixer_scope: MixerScope | None = None,  # around each phase's token mixing (phased passes)
     ) -> torch.Tensor:  # [P or T, d] after the final norm
+        phases, scope = as_phases(meta, tokens.shape[0]), mixer_scope or _no_scope
         x = self.embed_tokens(tokens)
         rope = rope_tables(meta.token_positions(), self.cfg, x.dtype)
         deltanet_i = attention_i = 0
@@ -279,10 +312,11 @@ class Qwen35Model(nn.Module):
             else:
                 x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps)
             if layer.layer_type is LayerType.DELTANET:
-                h = layer.linear_attn(normed, meta, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i])
+                h = layer.linear_attn(normed, phases, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i], scope)
                 deltanet_i += 1
             else:
-                h = layer.self_attn(normed, rope, meta, ops, pools.keys[attention_i], pools.values[attention_i])
+                h = layer.self_attn(normed, rope, phases, ops, pools.keys[attention_i], pools.values[attention_i],
+                                    scope)
                 attention_i += 1
             if i == last and picks is not None:
                 # the head only reads <decide> and each </opt>: the last MLP and the final norm run on just those

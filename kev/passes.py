@@ -135,6 +135,14 @@ class ServedPasses:
             return self.graphed.state_pass(documents, handles)
         return self.runner.state_pass(documents, handles)
 
+    def state_and_row_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
+                           batch: RowBatch) -> torch.Tensor:
+        """New documents and rows (that may read them) in one sweep over the weights (see
+        `Runner.state_and_row_pass`); [P, d] hidden states at `batch.picks`."""
+        if self.graphed is not None:
+            return self.graphed.state_and_row_pass(documents, handles, batch)
+        return self.runner.state_and_row_pass(documents, handles, batch)
+
     def state_bucketed(self, num_docs: int, max_len: int) -> bool | None:
         """Whether a state pass of `num_docs` new documents, the longest `max_len` tokens, runs in a
         CUDA-graph bucket (padded static shapes, a graph once captured); None: no graphs here."""

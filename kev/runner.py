@@ -2,7 +2,9 @@
 
 `state_pass` reads new documents into their bank slots (long ones in chunks that carry the
 state in the slot itself); `row_pass` runs question rows continuing stored states and returns
-the final hidden states at the picked positions. Neither touches Python-side request objects.
+the final hidden states at the picked positions; `state_and_row_pass` does both in one sweep over
+the weights (documents, then rows that may read them, phase by phase inside every layer). None
+touches Python-side request objects.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kev.bank.bank import Bank, BankHandle
 from kev.config import ModelConfig
 from kev.model import Qwen35Model
 from kev.ops import Ops, PassMeta
+from kev.ops.meta import PhasedMeta
 from kev.ops.autotune import ClassTuner, ShapeClass, classify
 from kev.ops.meta import host_positions
 
@@ -120,19 +123,52 @@ class Runner:
             # Every document still going contributes its next chunk; the state rides in its slot.
             live = [i for i, d in enumerate(documents) if len(d) > done]
             chunks = [documents[i][done : done + self.state_chunk_tokens] for i in live]
-            slots = torch.tensor([handles[i].slot for i in live], dtype=torch.int64, device=self.device)
-            read = slots if done > 0 else torch.full_like(slots, -1)
-            cu = torch.tensor([0, *torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()],
-                              dtype=torch.int64, device=self.device)
-            positions = host_positions([len(c) for c in chunks], [done] * len(chunks))
-            meta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=slots,
-                            prefix_lens=torch.full_like(slots, done), block_table=self.bank.block_table[slots],
-                            positions=torch.tensor(positions, dtype=torch.int64, device=self.device))
-            tokens = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
-            with self.tuned(classify(len(chunks), len(positions))):
+            tokens, meta = self._chunk_pass([handles[i].slot for i in live], chunks, done)
+            with self.tuned(classify(len(chunks), tokens.shape[0])):
                 self.model(tokens, meta, self.bank.pools, self.ops,
                            picks=torch.zeros(0, dtype=torch.int64, device=self.device))
             done += self.state_chunk_tokens
+
+    def _chunk_pass(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], done: int):
+        """(tokens, meta) of one state pass: chunk n continues slot n's first `done` tokens (0: new)."""
+        as_long = dict(dtype=torch.int64, device=self.device)
+        lens = [len(c) for c in chunks]
+        slot_t = torch.tensor(list(slots), **as_long)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        meta = PassMeta(cu_seqlens=torch.tensor(cu, **as_long),
+                        read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1), write_slots=slot_t,
+                        prefix_lens=torch.full_like(slot_t, done), block_table=self.bank.block_table[slot_t],
+                        positions=torch.tensor(host_positions(lens, [done] * len(lens)), **as_long))
+        return torch.tensor([t for c in chunks for t in c], **as_long), meta
+
+    def fits_one_sweep(self, documents: Sequence[Sequence[int]]) -> bool:
+        """Whether `state_and_row_pass` runs these documents and rows as one sweep (every document
+        new and at most one chunk long)."""
+        return bool(documents) and all(0 < len(d) <= self.state_chunk_tokens for d in documents)
+
+    def phase_scope(self, meta: PassMeta, num_tokens: int):
+        """A phase's token mixing runs with its own class's autotune caches."""
+        return self.tuned(meta.pass_class(num_tokens))
+
+    @torch.no_grad()
+    def state_and_row_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
+                           batch: RowBatch) -> torch.Tensor:
+        """`state_pass(documents, handles)` then `row_pass(batch)` (whose rows may read those slots)
+        in one sweep over the weights: per layer the documents' token mixing, then the rows'.
+        Documents longer than a chunk (or none) take the two passes."""
+        if not self.fits_one_sweep(documents):
+            self.state_pass(documents, handles)
+            return self.row_pass(batch)
+        for h in handles:
+            self.bank.check(h)
+        doc_tokens, doc_meta = self._chunk_pass([h.slot for h in handles], documents, 0)
+        Td = doc_tokens.shape[0]
+        meta = PhasedMeta((doc_meta, self.row_meta(batch)), (Td, batch.tokens.shape[0]))
+        with self.tuned(classify(len(documents), Td)):
+            return self.model(torch.cat([doc_tokens, batch.tokens]), meta, self.bank.pools, self.ops,
+                              picks=batch.picks + Td, mixer_scope=self.phase_scope)
 
     def state_pass_peak_bytes(self, doc_lens: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> int:
         """Bound on what `state_pass` of documents of `doc_lens` tokens allocates above weights and

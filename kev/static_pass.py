@@ -45,6 +45,20 @@ class PassKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class SweepKey:
+    """A bucket of one sweep over the weights (`Runner.state_and_row_pass`): new documents in a
+    STATE bucket's layout, then rows in a ROWS bucket's, packed back to back."""
+
+    state: GraphKey
+    rows: GraphKey
+
+    @property
+    def shape_class(self) -> ShapeClass:
+        """The documents' class (the token-wise work); each phase's mixers run in their own."""
+        return self.state.shape_class
+
+
+@dataclass(frozen=True)
 class GraphKey:
     kind: PassKind
     seqs: int  # R: real sequences at most

@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
              config.ops_backend)
     metrics = ScorerMetrics()
     # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/passes.py).
-    ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens,
-                  recurrent_classes=config.recurrent_classes)
+    ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)
     builder = PassBuilder(loaded.model, ops, PassRole.ROWS, config.graph_plan)
     metrics.watch_graphs(lambda: builder.graph_stats)
     link = BankLink(config, loaded, builder, metrics)

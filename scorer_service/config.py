@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.ops import parse_recurrent_classes
 from kev.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets
 from kev.prompts import Limits
 
@@ -61,8 +60,6 @@ class ScorerConfig:
     # KEV_OPS=gathered only: tokens of stored prefix a row's gathered page buffer holds. Under CUDA
     # graphs the buffer has this fixed size, so the scorer's document limit is capped at it.
     gathered_max_prefix_tokens: int = _env("KEV_GATHERED_MAX_PREFIX_TOKENS", 4096)
-    # GPU only: shape classes whose delta rule runs the one-launch recurrent kernel (kev/ops/__init__.py)
-    recurrent_classes: str = _env("KEV_RECURRENT_CLASSES", "")
     # Flags only: knobs deployments rarely change.
     max_request_bytes: int = 16 << 20  # serialized ScoreQuestionsRequest; larger is INVALID_ARGUMENT
     grpc_threads: int = 256  # concurrent RPCs being handled (each waits on its rows)
@@ -77,10 +74,6 @@ class ScorerConfig:
                      "max_document_tokens", "max_row_tokens", "gathered_max_prefix_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        try:
-            parse_recurrent_classes(self.recurrent_classes)
-        except ValueError as e:
-            raise ConfigError(f"KEV_RECURRENT_CLASSES: {e}") from None
         if self.ops not in (None, *OPS_BACKENDS):
             raise ConfigError(f"KEV_OPS must be one of {', '.join(OPS_BACKENDS)}, got {self.ops!r}")
         if self.max_wait_ms < 0:

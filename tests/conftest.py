@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Triton interpreter tests (test_*_interpret.py, test_delta_rule_recurrent.py): the project's kernel
+# Triton interpreter tests (test_*_interpret.py): the project's kernel
 # modules reloaded under TRITON_INTERPRET=1 for the module, and NaN-poisoned allocations.
 @pytest.fixture(scope="module")
 def interp():

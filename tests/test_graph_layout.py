@@ -19,7 +19,8 @@ from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
-from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, static_chunks
+from kev.ops.autotune import ShapeClass
+from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, static_chunks
 from random_models import random_model, tiny_config
 from kernel_support import rel_err
 
@@ -142,8 +143,16 @@ class FakeGraph:
 @pytest.fixture
 def fake_capture(monkeypatch):
     def record(self, entry):
-        out = self._forward(entry)
-        return FakeGraph(lambda: self._forward(entry), out), out
+        def forward():
+            # A real graph reads its index buffers at each replay; the torch maths reads the host
+            # copy a PassMeta caches on first use: drop it, so a replay sees the buffers as filled now.
+            for s in (entry.static, entry.rows):
+                if s is not None:
+                    s.meta.__dict__.pop("host", None)
+            return self._forward(entry)
+
+        out = forward()
+        return FakeGraph(forward, out), out
 
     monkeypatch.setattr(GraphedPasses, "_record", record)
 
@@ -206,6 +215,36 @@ def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture, l
         assert torch.equal(a, b)
 
 
+def test_graphed_sweep_matches_the_runner(model, fake_capture):
+    """One sweep in a SweepKey bucket (documents padded as in a STATE bucket, rows as in a ROWS one)
+    stores exactly what the unpadded sweep stores and gives its rows' answers (fp32, see the module
+    docstring); a replay with other documents and rows follows them."""
+    g = torch.Generator().manual_seed(4)
+    results = []
+    for graphed in (False, True):
+        bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
+        bank.alloc(3)  # the documents land in other slots than 0
+        runner = Runner(model, bank, CpuTritonOps())
+        passes = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE) if graphed else runner
+        out = []
+        for rep in range(2):
+            gen = torch.Generator().manual_seed(40 + rep)
+            docs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 9)]
+            handles = [bank.alloc(len(d)) for d in docs]
+            batch = row_batch(docs, handles, lens=(12, 30, 5), seed=rep)
+            out.append((passes.state_and_row_pass(docs, handles, batch), [t.clone() for t in bank.pools.tensors()]))
+            for h in handles:
+                bank.free(h)
+        if graphed:
+            assert passes.graphs() == [SweepKey(GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 8))]
+            assert passes.stats.captures == 1 and passes.stats.replays == 2 and passes.stats.unbucketed == 0
+        results.append(out)
+    for (h1, bank1), (h2, bank2) in zip(*results):
+        assert rel_err(h1, h2) <= 1e-5
+        for a, b in zip(bank1, bank2):
+            assert torch.equal(a, b)
+
+
 def test_gathered_plan_follows_a_bucket_between_replays():
     """GatheredOps on a CUDA-graph bucket: the gather plan is re-derived from the bucket's index
     buffers at every call (a plan kept from the capture's synthetic fill read slot 0 and one page
@@ -237,3 +276,15 @@ def test_gathered_plan_follows_a_bucket_between_replays():
     small = ops.buffer("keys", 4, torch.zeros(1, 16, 2, 8))
     ops.buffer("keys", 8, torch.zeros(1, 16, 2, 8))
     assert any(b.data_ptr() == small.data_ptr() for b in ops._outgrown)
+
+
+def test_bucket_meta_carries_the_bucket_class():
+    """A STATE bucket counts each document and its padding sequence as one: its meta's class is the
+    bucket's (what its graph tunes under, and what a sweep's document phase mixes under), not the
+    class of its 2 D padded sequences."""
+    key = GraphKey(PassKind.STATE, 4, 1024)  # docs_few; its 8 padded sequences alone would be docs_wide
+    static = StaticPass(key, 32, 16, "cpu")
+    assert key.shape_class is ShapeClass.DOCS_FEW and static.meta.num_seqs == 8 and static.meta.pass_class(key.num_tokens) is key.shape_class
+    rows = StaticPass(GraphKey(PassKind.ROWS, 6, 32, 8), 8, 16, "cpu")
+    assert rows.meta.pass_class(6 * 32) is rows.key.shape_class
+    assert SweepKey(key, rows.key).shape_class is key.shape_class

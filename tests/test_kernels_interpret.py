@@ -266,10 +266,8 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
     from triton.runtime.driver import driver
 
     indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
-    indexed_recurrent = compiled_modules.recurrent
     kernels = [indexed_conv.indexed_conv_fwd_kernel, indexed_scan.indexed_scan_fwd_kernel,
-               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel,
-               indexed_recurrent.indexed_recurrent_fwd_kernel]
+               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel]
     for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
     monkeypatch.setattr(driver, "_active", FakeHopper())
@@ -299,12 +297,6 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
         indexed_scan.indexed_scan(torch.randn(T, H, K), torch.randn(T, HV, K), torch.randn(T, HV, V),
                                   torch.randn(T, HV), cu, offsets, chunks.shape[0], torch.zeros(S, HV, K, V),
                                   read, write, config=indexed_scan.SCAN_CONFIGS[0])
-        qkv = torch.randn(T, 2 * H * K + HV * V + 8)
-        indexed_recurrent.indexed_recurrent_gated_delta_rule(
-            q=qkv[:, :H * K].unflatten(1, (H, K)), k=qkv[:, H * K:2 * H * K].unflatten(1, (H, K)),
-            v=qkv[:, 2 * H * K:2 * H * K + HV * V].unflatten(1, (HV, V)), g=torch.randn(T, HV),
-            beta=torch.rand(T, HV), cu_seqlens=cu, state_pool=torch.zeros(S, HV, K, V), read_slots=read,
-            write_slots=write, config=indexed_recurrent.RECURRENT_CONFIGS[0])
         block = paged_prefix.query_block(HQ // HKV)
         nb = -(-L // block)
         attn_chunks = torch.stack([torch.arange(N).repeat_interleave(nb), torch.arange(nb).repeat(N)], 1)

@@ -83,29 +83,6 @@ def test_bank_graph_settings_from_env_and_flags():
             BankConfig.from_env({**BANK_ENV, **bad}, [])
 
 
-def test_recurrent_classes_setting_reaches_the_ops():
-    from kev.ops import get_ops, parse_recurrent_classes
-    from kev.ops.autotune import ShapeClass
-
-    assert parse_recurrent_classes("") == parse_recurrent_classes(" none ") == frozenset()
-    assert parse_recurrent_classes("rows_few, rows_mid") == {"rows_few", "rows_mid"}
-    with pytest.raises(ValueError, match="unknown shape classes"):
-        parse_recurrent_classes("rows_few,rows_tiny")
-    scorer = ScorerConfig.from_env({**SCORER_ENV, "KEV_RECURRENT_CLASSES": "rows_few"}, [])
-    assert scorer.recurrent_classes == "rows_few"
-    assert ScorerConfig.from_env(SCORER_ENV, ["--recurrent-classes", "rows_mid"]).recurrent_classes == "rows_mid"
-    bank = BankConfig.from_env({**BANK_ENV, "KEV_RECURRENT_CLASSES": "docs_few"}, [])
-    assert bank.recurrent_classes == "docs_few"
-    with pytest.raises(ConfigError, match="KEV_RECURRENT_CLASSES"):
-        ScorerConfig.from_env({**SCORER_ENV, "KEV_RECURRENT_CLASSES": "fast"}, [])
-    with pytest.raises(BankConfigError, match="KEV_RECURRENT_CLASSES"):
-        BankConfig.from_env({**BANK_ENV, "KEV_RECURRENT_CLASSES": "fast"}, [])
-    assert get_ops("triton", recurrent_classes="rows_few").recurrent_classes == {ShapeClass.ROWS_FEW}
-    gathered = get_ops("gathered", 512, recurrent_classes="rows_few,rows_wide")
-    assert gathered.recurrent_classes == {ShapeClass.ROWS_FEW, ShapeClass.ROWS_WIDE}
-    assert get_ops("triton").recurrent_classes == frozenset()
-
-
 def test_start_keys_follow_the_plan():
     from kev.graphs import Buckets
     from kev.static_pass import GraphKey, PassKind

@@ -115,23 +115,10 @@ class Ops(Protocol):
         ...
 
 
-def parse_recurrent_classes(text: str) -> frozenset[str]:
-    """KEV_RECURRENT_CLASSES: comma-separated shape classes ("rows_few,rows_mid") whose delta rule
-    runs the one-launch recurrent kernel instead of the chunked one; "" or "none": none."""
-    from kev.ops.autotune import ShapeClass
-
-    names = [] if text.strip().lower() in ("", "none") else [n.strip() for n in text.split(",")]
-    known = {c.value for c in ShapeClass}
-    if unknown := [n for n in names if n not in known]:
-        raise ValueError(f"unknown shape classes {unknown} (known: {', '.join(sorted(known))}, or 'none')")
-    return frozenset(names)
-
-
-def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None, recurrent_classes: str = "") -> Ops:
+def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None) -> Ops:
     """`torch` (reference, any device), `triton` (GPU kernels reading the bank in place) or
     `gathered` (the same kernels on states first copied into row buffers: the benchmark baseline;
-    `gathered_max_prefix_tokens` sizes its page buffer, required under CUDA graphs).
-    `recurrent_classes` (`parse_recurrent_classes`) applies to the two GPU backends."""
+    `gathered_max_prefix_tokens` sizes its page buffer, required under CUDA graphs)."""
     if backend == "torch":
         from kev.ops.torch_ops import TorchOps
 
@@ -139,12 +126,12 @@ def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None, recurre
     if backend == "triton":
         from kev.ops.triton_ops import TritonOps
 
-        return TritonOps(parse_recurrent_classes(recurrent_classes))
+        return TritonOps()
     if backend == "gathered":
         from kev.ops.gathered_ops import GatheredOps
 
-        return GatheredOps(gathered_max_prefix_tokens, recurrent_classes=parse_recurrent_classes(recurrent_classes))
+        return GatheredOps(gathered_max_prefix_tokens)
     raise ValueError(f"unknown ops backend {backend!r} (expected 'torch', 'triton' or 'gathered')")
 
 
-__all__ = ["Ops", "PassMeta", "HostMeta", "get_ops", "parse_recurrent_classes"]
+__all__ = ["Ops", "PassMeta", "HostMeta", "get_ops"]

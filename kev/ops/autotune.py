@@ -133,7 +133,7 @@ def hot_autotuners() -> dict[str, Autotuner]:
 
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_recurrent, indexed_scan
+    from kev.ops.delta_rule import indexed_scan
 
     kernels = {
         "indexed_conv": indexed_conv._tuned_conv_kernel,
@@ -143,7 +143,6 @@ def hot_autotuners() -> dict[str, Autotuner]:
         "recompute_w_u": recompute_w_u_fwd_kernel,
         "indexed_scan": indexed_scan._tuned_scan_kernel,
         "chunk_fwd_o": chunk_fwd_kernel_o,
-        "indexed_recurrent": indexed_recurrent._tuned_recurrent_kernel,  # TritonOps(recurrent_classes=...)
         "paged_prefix_attention": paged_prefix._tuned_attn_kernel,
     }
     return {name: unwrap_autotuner(k) for name, k in kernels.items()}
@@ -265,8 +264,7 @@ class ClassTuner:
 
     def tuned(self, cls: ShapeClass) -> bool:
         """Whether `cls` was tuned over its shapes (`tune`: every kernel its passes launch has a
-        config; one they never launch, e.g. the delta-rule path the class does not take, needs
-        none) or every kernel has a config in `cls`'s cache."""
+        config; one they never launch needs none) or every kernel has a config in `cls`'s cache."""
         return cls in self._tuned or (cls in self._caches and all(len(c) for c in self._caches[cls].values()))
 
     @contextmanager

@@ -2,8 +2,7 @@
 
 Per layer and state kind, one `index_select` copies the rows' stored states into preallocated row
 buffers (recurrent states [N, HV, K, V], conv states [N, C, W-1], K/V pages [N * P, BS, Hkv, D]);
-then the very same kernels as `TritonOps` run (the same delta-rule choice by class, from
-`recurrent_classes`) with read indices arange(N) (and a block table that
+then the very same kernels as `TritonOps` run with read indices arange(N) (and a block table that
 points into the page buffer). Writes (state passes) still go to the bank by `write_slots`.
 Everything else is identical, so indexed and gathered results must match bit for bit.
 
@@ -24,14 +23,13 @@ freed: graphs captured earlier still read and write its memory.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
-from kev.ops.autotune import ShapeClass
 from kev.ops.conv.indexed_conv import indexed_causal_conv
+from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 
@@ -52,9 +50,8 @@ class PrefixTooLong(ValueError):
 class GatheredOps(TritonOps):
     name = "gathered"
 
-    def __init__(self, max_prefix_tokens: int | None = None,
-                 recurrent_classes: Iterable[ShapeClass | str] = frozenset()) -> None:
-        super().__init__(recurrent_classes)
+    def __init__(self, max_prefix_tokens: int | None = None) -> None:
+        super().__init__()
         if max_prefix_tokens is not None and max_prefix_tokens < 1:
             raise ValueError(f"max_prefix_tokens must be >= 1, got {max_prefix_tokens}")
         self.max_prefix_tokens = max_prefix_tokens
@@ -132,10 +129,10 @@ class GatheredOps(TritonOps):
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         plan, idx = self.plan(meta), self.prepare(meta)
         rows = torch.index_select(state_pool, 0, plan.rows, out=self.buffer("recurrent", meta.num_seqs, state_pool))
-        return self.delta_rule(meta, q.shape[0])(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
-                                                 state_pool=rows, read_slots=plan.row_slots,
-                                                 write_slots=meta.write_slots, out_pool=state_pool,
-                                                 chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets)
+        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
+                                              state_pool=rows, read_slots=plan.row_slots,
+                                              write_slots=meta.write_slots, out_pool=state_pool,
+                                              chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
         pages, row_table = self.page_plan(meta, key_pages.shape[1])

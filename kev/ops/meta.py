@@ -6,6 +6,10 @@ question row, or the next chunk of a long document). Its final state is written 
 `write_slots[n]`, or nowhere when that index is negative (rows never write). `prefix_lens[n]`
 tokens of the sequence's document are already in the bank, so its positions start there and
 attention sees them through `block_table[n]` (the K/V pages of the slot).
+
+`PhasedMeta` packs several such passes into one sweep over the weights: the token-wise work
+(projections, norms, MLP) runs once over all tokens, the token mixing phase by phase, so a later
+phase reads what an earlier one wrote in the same layer (new documents, then rows over them).
 """
 
 from __future__ import annotations
@@ -62,6 +66,40 @@ class PassMeta:
         start = self.cu_seqlens[:-1][seq_of_token]
         idx = torch.arange(seq_of_token.shape[0], device=lens.device)
         return idx - start + self.prefix_lens[seq_of_token]
+
+
+@dataclass(frozen=True, eq=False)
+class PhasedMeta:
+    """One sweep, token mixing in phases: phase i owns packed tokens [sum(lengths[:i]), sum(lengths[:i+1])).
+
+    In every layer each mixer runs phase 0's sequences, then phase 1's, ...; so a phase may read a
+    slot an earlier phase writes (its documents' states, conv tails and K/V pages, just computed).
+    Inside one phase the `PassMeta` contract holds (a slot written is read by no other sequence)."""
+
+    phases: tuple[PassMeta, ...]
+    lengths: tuple[int, ...]  # host ints: tokens of each phase
+
+    def __post_init__(self) -> None:
+        if len(self.phases) != len(self.lengths) or not self.phases:
+            raise ValueError(f"{len(self.phases)} phases but {len(self.lengths)} lengths")
+        if any(m.positions is None for m in self.phases):
+            raise ValueError("phased passes need each phase's positions (built with the batch: no host sync)")
+
+    def spans(self) -> list[tuple[int, int, PassMeta]]:
+        """(first token, end token, meta) of each phase."""
+        out, start = [], 0
+        for n, meta in zip(self.lengths, self.phases):
+            out.append((start, start + n, meta))
+            start += n
+        return out
+
+    def token_positions(self) -> torch.Tensor:
+        return torch.cat([m.positions for m in self.phases])
+
+
+def as_phases(meta: "PassMeta | PhasedMeta", num_tokens: int) -> list[tuple[int, int, PassMeta]]:
+    """The phases of a pass: a plain `PassMeta` is one phase over all `num_tokens` tokens."""
+    return meta.spans() if isinstance(meta, PhasedMeta) else [(0, num_tokens, meta)]
 
 
 @dataclass(frozen=True)

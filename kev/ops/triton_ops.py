@@ -13,12 +13,6 @@ pass is read by no *other* sequence of that pass (TorchOps would see the write, 
 The model's norms and activations run as fused Triton kernels (`kev.ops.fused`): one read and
 one write per tensor instead of a chain of fp32 elementwise passes.
 
-The gated delta rule runs chunked (`indexed_chunk_gated_delta_rule`: five launches) or, for the
-shape classes in `recurrent_classes`, token by token in one launch (`indexed_recurrent`: cheaper
-for short sequences). The choice is a host decision by the pass's autotune class
-(`PassMeta.pass_class`, the class its runner tunes under), so a CUDA-graph bucket always runs the
-same kernels and a class warmed with one path never meets the other. Default: none (chunked).
-
 Chunk indices (fla's varlen helpers; they sync with the host) are prepared once per `PassMeta`
 and shared by every layer of the pass (cached by the meta object's identity). For CUDA graphs,
 call `prepare(meta)` for each bucket before capture and keep that meta and its buffers static.
@@ -27,16 +21,13 @@ call `prepare(meta)` for each bucket before capture and keep that meta and its b
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
-from kev.ops.autotune import ShapeClass
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
-from kev.ops.delta_rule.indexed_recurrent import indexed_recurrent_gated_delta_rule
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
 from kev.ops.fused import activations, norms
 from kev.ops.meta import PassMeta
@@ -70,10 +61,7 @@ class TritonOps:
     sigmoid_mul = staticmethod(activations.sigmoid_mul)
     delta_gates = staticmethod(activations.delta_gates)
 
-    def __init__(self, recurrent_classes: Iterable[ShapeClass | str] = frozenset()) -> None:
-        """recurrent_classes: shape classes (or their values, "rows_few") whose passes run the
-        one-launch recurrent delta rule instead of the chunked one."""
-        self.recurrent_classes = frozenset(ShapeClass(c) for c in recurrent_classes)
+    def __init__(self) -> None:
         self._indices: weakref.WeakKeyDictionary[PassMeta, PassIndices] = weakref.WeakKeyDictionary()
 
     def prepare(self, meta: PassMeta) -> PassIndices:
@@ -96,22 +84,12 @@ class TritonOps:
                                    read_slots=meta.read_slots, write_slots=meta.write_slots,
                                    chunk_indices=self.prepare(meta).chunks)
 
-    def recurrent(self, meta: PassMeta, num_tokens: int) -> bool:
-        """Whether this pass runs the recurrent delta rule (host ints only: no sync, graph-stable)."""
-        return bool(self.recurrent_classes) and meta.pass_class(num_tokens) in self.recurrent_classes
-
-    def delta_rule(self, meta: PassMeta, num_tokens: int):
-        """The delta-rule function this pass runs (both take the same arguments)."""
-        if self.recurrent(meta, num_tokens):
-            return indexed_recurrent_gated_delta_rule
-        return indexed_chunk_gated_delta_rule
-
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         idx = self.prepare(meta)
-        return self.delta_rule(meta, q.shape[0])(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
-                                                 state_pool=state_pool, read_slots=meta.read_slots,
-                                                 write_slots=meta.write_slots, chunk_indices=idx.chunks,
-                                                 chunk_offsets=idx.chunk_offsets)
+        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
+                                              state_pool=state_pool, read_slots=meta.read_slots,
+                                              write_slots=meta.write_slots, chunk_indices=idx.chunks,
+                                              chunk_offsets=idx.chunk_offsets)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))

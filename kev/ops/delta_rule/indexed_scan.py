@@ -32,7 +32,6 @@ from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.conv.indexed_conv import preserve_written_slots, shape_class
-from kev.ops.delta_rule.contract import check_delta_rule_args
 
 CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
 
@@ -274,7 +273,16 @@ def indexed_chunk_gated_delta_rule(
     scan_config:   run the state pass with this one config instead of the autotuner
     Returns o: [T, HV, V] in v's dtype.
     """
-    T, H, K, HV, _ = check_delta_rule_args(q, k, v, g, beta)
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, K], v {tuple(v.shape)} [T, HV, V]")
+    T, H, K = q.shape
+    HV = v.shape[1]
+    if HV % H:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H} (v {tuple(v.shape)})")
+    if tuple(g.shape) != (T, HV) or tuple(beta.shape) != (T, HV):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T={T}, HV={HV}]")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g must be fp32, got {g.dtype}")
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
     if chunk_offsets is None:
