@@ -435,6 +435,10 @@ def test_warm_up_tunes_each_class_over_its_shapes(stub3, monkeypatch):
     warm_up(no_slot, [ShapeClass.ROWS_FEW])
     assert no_slot.model.passes == [(ClassShape(6, 32, 48), -1, -1), (ClassShape(5, 32, 2200), -1, -1)]
     assert no_slot.tuner.chosen(ShapeClass.ROWS_FEW) == runner.tuner.chosen(ShapeClass.ROWS_FEW)
+    gathered = stub_runner(at, bench)  # ops that hold at most 48 prefix tokens a row: warmed at that
+    gathered.ops = SimpleNamespace(max_prefix_tokens=48)
+    warm_up(gathered, [ShapeClass.ROWS_FEW])
+    assert gathered.model.passes == [(ClassShape(6, 32, 48), -1, -1), (ClassShape(5, 32, 48), -1, -1)]
 
 
 def test_warm_shapes_cut_prefixes_to_the_stored_document():

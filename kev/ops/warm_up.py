@@ -36,9 +36,12 @@ def _warm_pass(runner: "Runner", shape: ClassShape, row_slot: int, gen: torch.Ge
     synthetic block table (distinct pages per row, as real documents have): the same kernels,
     shapes and memory traffic as rows over a stored document, so the tuned configs fit them.
     Attention configs do depend on the prefix length (a no-prefix pick was 3.4x the best over a
-    2,200-token prefix)."""
+    2,200-token prefix). Ops that hold at most `max_prefix_tokens` of a row's prefix (the gathered
+    variant's page buffer) warm with the prefix cut to that: the longest they will ever serve."""
     device, bank, cfg = runner.device, runner.bank, runner.model.cfg
     n, L, prefix = shape.seqs, shape.tokens, shape.prefix
+    if (most := getattr(runner.ops, "max_prefix_tokens", None)) is not None:
+        prefix = min(prefix, most)
     as_long = dict(dtype=torch.int64, device=device)
     if prefix > 0 and row_slot >= 0:
         slots = torch.full((n,), row_slot, **as_long)
