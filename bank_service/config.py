@@ -1,8 +1,9 @@
 """The bank service's settings: one frozen object, built once at start-up and passed down.
 
 Environment (docs/settings.md): KEV_CHECKPOINT, KEV_ADAPTER, KEV_DEVICE, KEV_BANK_LISTEN,
-KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_LEASE_SECONDS, and the CUDA-graph
-settings KEV_GRAPH_DOCS and KEV_MAX_GRAPHS (their flags, --graph-docs and --max-graphs, override).
+KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_LEASE_SECONDS, and the CUDA
+settings KEV_GRAPH_DOCS, KEV_MAX_GRAPHS and KEV_WARM_CLASSES (their flags, --graph-docs, --max-graphs and
+--warm-classes, override).
 Tuning knobs that deployments rarely change are command-line flags (`python -m bank_service
 --help`). Nothing else in the service reads the environment.
 """
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets
+from kev.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets, parse_warm_classes
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,7 @@ class BankConfig:
     ops: str = ""  # kev.ops backend for state passes ("torch" | "triton"); "": torch on CPU, triton on CUDA
     graph_docs: str = DEFAULT_DOC_BUCKETS  # KEV_GRAPH_DOCS: state buckets (DxL) captured at start-up on CUDA
     max_graphs: int = 24  # KEV_MAX_GRAPHS: CUDA graphs kept (LRU); 0: none
+    warm_classes: str = "all"  # KEV_WARM_CLASSES: autotune classes warmed at start-up on CUDA ("all", "none", a list)
     block_size: int = 64  # tokens per paged K/V block
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)
@@ -72,6 +74,10 @@ class BankConfig:
         if self.max_graphs and len(docs) > self.max_graphs:
             raise ConfigError(f"KEV_GRAPH_DOCS names {len(docs)} buckets, "
                               f"more than KEV_MAX_GRAPHS={self.max_graphs}")
+        try:
+            parse_warm_classes(self.warm_classes)
+        except ValueError as e:
+            raise ConfigError(f"KEV_WARM_CLASSES: {e}") from None
         if not self.node or any(c in self.node for c in "{}@"):
             raise ConfigError(f"--node must be non-empty without '{{', '}}' or '@', got {self.node!r}")
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens",
@@ -101,6 +107,7 @@ class BankConfig:
         p.add_argument("--ops", default=d["ops"].default, choices=("torch", "triton"))
         p.add_argument("--graph-docs", default=env.get("KEV_GRAPH_DOCS", "") or d["graph_docs"].default)
         p.add_argument("--max-graphs", default=env.get("KEV_MAX_GRAPHS", "") or str(d["max_graphs"].default))
+        p.add_argument("--warm-classes", default=env.get("KEV_WARM_CLASSES", "") or d["warm_classes"].default)
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens", "max_pass_documents",
                      "grpc_workers", "torch_threads"):
             p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
@@ -131,7 +138,8 @@ class BankConfig:
     @property
     def graph_plan(self) -> GraphPlan:
         """What the state passes capture on CUDA (ignored on CPU)."""
-        return GraphPlan(rows=(), docs=parse_doc_buckets(self.graph_docs), max_graphs=self.max_graphs)
+        return GraphPlan(rows=(), docs=parse_doc_buckets(self.graph_docs), max_graphs=self.max_graphs,
+                         warm=parse_warm_classes(self.warm_classes))
 
     def redacted(self) -> dict:
         """Every field for the start-up log, with the Redis password masked."""

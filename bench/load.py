@@ -65,7 +65,7 @@ class Outcome:
 
 def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: float | None = 20.0,
              max_requests: int | None = None, warmup_s: float = 0.0, timeout_s: float = 120.0,
-             metrics_url: str | None = None, label: str = "") -> dict:
+             metrics_url: str | None = None, bank_metrics_url: str | None = None, label: str = "") -> dict:
     """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
 
     The window ends after `duration_s` or once `max_requests` were sent, whichever comes first
@@ -130,7 +130,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     try:
         if warmup_s > 0:
             time.sleep(max(0.0, window_start - time.perf_counter()))
-        before = scrape(metrics_url)
+        before, bank_before = scrape(metrics_url), scrape(bank_metrics_url)
         for t in threads:
             t.join()
     except BaseException:  # KeyboardInterrupt, or SystemExit from a SIGTERM handler
@@ -144,10 +144,12 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
         progress.stop()
     for ch in channels:  # every client has returned: nothing can call a closed channel
         ch.close()
-    after = scrape(metrics_url)
+    after, bank_after = scrape(metrics_url), scrape(bank_metrics_url)
     result = summarize(outcomes, window_start)
     result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
-                  duration_limit_s=duration_s, request_limit=max_requests, **scorer_figures(before, after))
+                  duration_limit_s=duration_s, request_limit=max_requests,
+                  **scorer_figures(before, after, result["elapsed_s"]),
+                  **bank_figures(bank_before, bank_after, result["elapsed_s"]))
     return result
 
 
@@ -198,19 +200,45 @@ def scrape(url: str | None) -> dict[str, float] | None:
     return out
 
 
-def scorer_figures(before: dict | None, after: dict | None) -> dict:
-    """Row passes, rows and row tokens per pass, and the scorer's hit ratio over the window."""
+def scorer_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
+    """Over the window: row passes, rows and row tokens per pass, the scorer's hit ratio, the mean
+    wall time of a row pass and the share of the window the row worker spent in passes (near 1:
+    the row passes are the bottleneck), and row passes by CUDA-graph path."""
     if before is None or after is None:
         return {}
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
     passes = delta("kev_scorer_rows_per_pass_count")
     hits = delta('kev_scorer_bank_lookups_total{result="hit"}')
     misses = delta('kev_scorer_bank_lookups_total{result="miss"}')
+    pass_s = delta("kev_scorer_row_pass_seconds_sum")
     return {
         "row_passes": int(passes),
         "rows_per_pass": delta("kev_scorer_rows_per_pass_sum") / passes if passes else math.nan,
         "row_tokens_per_pass": delta("kev_scorer_tokens_per_pass_sum") / passes if passes else math.nan,
         "scorer_bank_hit_ratio": hits / (hits + misses) if hits + misses else math.nan,
+        "row_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
+        "row_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
+        "row_passes_by_path": {path: int(delta(f'kev_scorer_graph_passes_total{{path="{path}"}}'))
+                               for path in ("replay", "eager_bucketed", "unbucketed")},
+    }
+
+
+def bank_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
+    """The bank's side of the window: state passes, documents per pass, the mean wall time of a
+    state pass and the share of the window its state-pass worker spent in passes, and the mean
+    Acquire latency of new documents (queueing for a pass included)."""
+    if before is None or after is None:
+        return {}
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    passes, pass_s = delta("kev_bank_state_passes_total"), delta("kev_bank_state_pass_seconds_sum")
+    acquires = delta('kev_bank_acquire_seconds_count{cached="false"}')
+    return {
+        "state_passes": int(passes),
+        "documents_per_state_pass": delta("kev_bank_state_pass_documents_total") / passes if passes else math.nan,
+        "state_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
+        "state_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
+        "new_document_acquire_ms": (delta('kev_bank_acquire_seconds_sum{cached="false"}') / acquires * 1e3
+                                    if acquires else math.nan),
     }
 
 
@@ -340,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True, help="the served checkpoint (for its tokenizer)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="six-short")
     p.add_argument("--metrics-url", default=None, help="the scorer's Prometheus endpoint, http://host:port/metrics")
+    p.add_argument("--bank-metrics-url", default=None, help="the bank's Prometheus endpoint (state-pass figures)")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--plot", default=None, help="PNG of requests/s and p99 against clients (with --sweep)")
     add_run_args(p)
@@ -349,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = RequestStream(TextMaker(tokenizer, builder), model_id, WORKLOADS[args.workload].scaled(args.scale),
                            args.seed)
     runs = [run_load(args.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
-                     warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=args.metrics_url)
+                     warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=args.metrics_url,
+                     bank_metrics_url=args.bank_metrics_url)
             for n in (args.sweep or [args.clients])]
     out = {**environment(), "workload": args.workload, "scale": args.scale, "runs": runs}
     if args.out:

@@ -17,8 +17,9 @@ runs them in the same pass shapes): `gathered` reads the very states `kev`'s sam
 their probabilities must be bit-identical; the baseline's largest difference from the project's is
 recorded (bf16 on GPU: not expected to be zero).
 
-Start-up captures only what the workloads use (bench/load_startup.py: `--graph-rows`, `--graph-docs`,
-`--gathered-max-prefix-tokens`, the baseline's warm shapes; `default` keeps a service's own setting),
+Start-up captures and warms only what the workloads use (bench/load_startup.py: `--graph-rows`,
+`--graph-docs`, `--warm-classes`, `--gathered-max-prefix-tokens`, the baseline's warm shapes; `default`
+keeps a service's own setting),
 and the log says where each service's start-up time went (weights, class warm-up, graph captures).
 
 Writes `<out-dir>/load_<workload>.json` per workload, rewritten after every run of every system, so a
@@ -63,7 +64,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.load import add_run_args, environment, json_safe, run_load
 from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, format_breakdown,
-                                longest_document, row_plan, startup_breakdown)
+                                longest_document, row_plan, startup_breakdown, warm_plan)
 from bench.load_report import report, sample_answers, write_quietly
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from bench.random_checkpoint import write_random_checkpoint
@@ -80,8 +81,9 @@ START_TIMEOUT_S = 900.0  # Kev-4B: 8 GB of weights per process, then warm-up and
 class Running:
     """A started system: its scorer address, metrics URL and how to stop it."""
 
-    def __init__(self, addr: str, metrics_url: str, stop, logs):
+    def __init__(self, addr: str, metrics_url: str, stop, logs, bank_metrics_url: str | None = None):
         self.addr, self.metrics_url, self.stop, self.logs = addr, metrics_url, stop, logs
+        self.bank_metrics_url = bank_metrics_url  # the stack's bank (state passes, acquires); None: no bank
         self.startup: dict | None = None
 
 
@@ -89,15 +91,19 @@ def start_stack(checkpoint: Path, args, with_gathered: bool) -> tuple[Stack, dic
     """The stack with the `kev` scorer, and the `gathered` one beside it on the same bank; and the
     start-up breakdown (wall seconds, and per service what its log says)."""
     dev = args.device
-    ports = {"kev": free_port(), "gathered": free_port()}
+    ports = {"kev": free_port(), "gathered": free_port(), "bank": free_port()}
     graphs = {"KEV_GRAPH_ROWS": args.graph_rows} if args.graph_rows != "default" else {}
     bank_graphs = {"KEV_GRAPH_DOCS": args.graph_docs} if args.graph_docs != "default" else {}
     if bank_graphs and args.graph_docs != "none":
         bank_graphs["KEV_MAX_GRAPHS"] = str(max(24, len(args.graph_docs.split(",")) + 8))  # room for idle captures
+    if args.scorer_warm_classes != "default":  # every scorer: the gathered one gets the stack's scorer_env too
+        graphs["KEV_WARM_CLASSES"] = args.scorer_warm_classes
+    if args.bank_warm_classes != "default":
+        bank_graphs["KEV_WARM_CLASSES"] = args.bank_warm_classes
     stack = Stack(checkpoint, bank_memory_bytes=int(args.bank_gb * 2**30), max_document_tokens=args.max_document_tokens,
                   scorer_env={"KEV_DEVICE": dev, "KEV_OPS": "torch" if dev == "cpu" else "triton",
                               "KEV_METRICS_PORT": str(ports["kev"]), **graphs},
-                  bank_env={"KEV_DEVICE": dev, **bank_graphs},
+                  bank_env={"KEV_DEVICE": dev, "KEV_METRICS_PORT": str(ports["bank"]), **bank_graphs},
                   bank_flags=["--ops", "torch" if dev == "cpu" else "triton", "--avg-doc-tokens",
                               str(args.avg_doc_tokens), *args.bank_flag],
                   scorer_flags=list(args.scorer_flag), torch_threads=args.torch_threads,
@@ -115,7 +121,8 @@ def start_stack(checkpoint: Path, args, with_gathered: bool) -> tuple[Stack, dic
         stack.stop()
         raise
     logs = lambda: {p.name: p.log_tail(2000) for p in (stack.bank, *stack.scorers) if p is not None}  # noqa: E731
-    running = {name: Running(addr, f"http://127.0.0.1:{ports[name]}/metrics", stack.stop, logs)
+    running = {name: Running(addr, f"http://127.0.0.1:{ports[name]}/metrics", stack.stop, logs,
+                             bank_metrics_url=f"http://127.0.0.1:{ports['bank']}/metrics")
                for name, addr in zip(("kev", "gathered"), stack.scorer_addrs)}
     startup = {"wall": walls}
     for name, proc in zip(("bank", "kev", "gathered"), (stack.bank, *stack.scorers)):
@@ -171,7 +178,8 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
         for n in args.sweep or [args.clients]:
             entry["runs"].append(run_load(running.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
                                           warmup_s=args.warmup_s, timeout_s=args.timeout_s,
-                                          metrics_url=running.metrics_url, label=f"{system} {name} x{n}"))
+                                          metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
+                                          label=f"{system} {name} x{n}"))
             save()
         entry["done"] = True
         save()
@@ -179,6 +187,8 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
 
 def apply_startup_defaults(args, workloads: list[str]) -> None:
     """`auto` start-up settings from the workloads (bench/load_startup.py)."""
+    from kev.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS, parse_warm_classes
+
     used = [WORKLOADS[w].scaled(args.scale) for w in workloads]
     if args.graph_rows == "auto":
         args.graph_rows = row_plan(used)
@@ -186,6 +196,14 @@ def apply_startup_defaults(args, workloads: list[str]) -> None:
         args.graph_docs = doc_plan(used)
     if args.gathered_max_prefix_tokens is None:
         args.gathered_max_prefix_tokens = longest_document(used)
+    if args.warm_classes == "auto":  # the workloads' classes and those of the buckets captured at start-up
+        started = lambda setting, default: default if setting == "default" else setting  # noqa: E731
+        args.scorer_warm_classes, args.bank_warm_classes = warm_plan(
+            used, started(args.graph_rows, DEFAULT_ROW_BUCKETS), started(args.graph_docs, DEFAULT_DOC_BUCKETS))
+    else:  # 'default' (not passed: the services' own 'all') or one setting for every service
+        if args.warm_classes != "default":
+            parse_warm_classes(args.warm_classes)  # a bad name fails here, not in a service's start-up
+        args.scorer_warm_classes = args.bank_warm_classes = args.warm_classes
     args.baseline_warm_widths = baseline_warm_widths(used)
     args.baseline_warm_rows = baseline_warm_rows(used, args.sweep or [args.clients])
 
@@ -209,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(the workloads' row length, 1..96 rows), 'default' (the scorer's own), 'none' or a list RxL,...")
     p.add_argument("--graph-docs", default="auto", help="the bank's start-up state buckets (KEV_GRAPH_DOCS): 'auto' "
                    "(the workloads' document lengths, 1..64 documents), 'default', 'none' or a list DxL,...")
+    p.add_argument("--warm-classes", default="auto", help="autotune classes the services warm at start-up "
+                   "(KEV_WARM_CLASSES): 'auto' (per service, its passes' classes under the workloads and its "
+                   "start-up buckets'), 'default' (the services' own: all they can use), 'none' or a list rows_few,...")
     p.add_argument("--gathered-max-prefix-tokens", type=int, default=None,
                    help="KEV_GATHERED_MAX_PREFIX_TOKENS of the gathered scorer (default: the longest document)")
     p.add_argument("--bank-flag", action="append", default=[], help="extra bank_service flag (repeatable)")
@@ -231,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         args.torch_threads = 4 if on_gpu else 1
     if args.sweep and args.clients not in args.sweep:
         args.clients = max(args.sweep)
-    apply_startup_defaults(args, workloads)
+    try:
+        apply_startup_defaults(args, workloads)
+    except ValueError as e:
+        p.error(str(e))
     print(f"== start-up plan: KEV_GRAPH_ROWS={args.graph_rows} KEV_GRAPH_DOCS={args.graph_docs} "
+          f"KEV_WARM_CLASSES={args.scorer_warm_classes} (scorers) / {args.bank_warm_classes} (bank) "
           f"KEV_GATHERED_MAX_PREFIX_TOKENS={args.gathered_max_prefix_tokens} baseline warm widths "
           f"{args.baseline_warm_widths} rows <= {args.baseline_warm_rows}", file=sys.stderr, flush=True)
 

@@ -16,7 +16,9 @@ from kev.v1 import scorer_pb2 as pb
 
 HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "error_messages",
             "bank_hit_ratio",
-            "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "requests", "elapsed_s")
+            "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "row_pass_ms", "row_worker_busy",
+            "row_passes_by_path", "state_passes", "documents_per_state_pass", "state_pass_ms", "state_worker_busy",
+            "new_document_acquire_ms", "requests", "elapsed_s")
 
 
 def sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float) -> list[dict[str, list[float]] | str]:

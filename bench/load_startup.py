@@ -9,6 +9,8 @@ A benchmark knows its workloads, so it captures only what they use:
   at the length bucket of each workload document length (both ends of a length range), where a
   bucket exists (D x L within `Buckets.max_state_tokens`), at most `limit` of them;
 - the gathered scorer (`KEV_GATHERED_MAX_PREFIX_TOKENS`): the longest document;
+- the autotune classes warmed (`KEV_WARM_CLASSES`, `warm_plan`): those of the workloads' passes and
+  of the start-up buckets, per service (six-short's bank skips the document classes);
 - the baseline (`--warm-widths`, `--warm-rows`): the sequence lengths (document + row) and the most
   rows a forward of the sweep can hold.
 
@@ -24,6 +26,8 @@ from bench.load_workloads import Workload
 
 SCORER_MAX_ROWS_PER_PASS = 96  # scorer_service default (KEV_MAX_ROWS_PER_PASS)
 BANK_MAX_PASS_DOCUMENTS = 64  # bank_service default (--max-pass-documents)
+BANK_MAX_PASS_TOKENS = 16384  # bank_service default (--max-pass-tokens)
+STATE_CHUNK_TOKENS = 8192  # the bank's state-pass chunk (kev.passes.PassBuilder's default)
 
 
 def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
@@ -59,6 +63,52 @@ def doc_plan(workloads: list[Workload], max_pass_documents: int = BANK_MAX_PASS_
             if keys and len(plan) < limit:
                 plan.append(keys.pop(0))
     return ",".join(plan) or "none"
+
+
+def warm_plan(workloads: list[Workload], graph_rows: str = "none", graph_docs: str = "none",
+              max_rows_per_pass: int = SCORER_MAX_ROWS_PER_PASS,
+              max_pass_documents: int = BANK_MAX_PASS_DOCUMENTS) -> tuple[str, str]:
+    """KEV_WARM_CLASSES for the scorers and for the bank: the autotune classes (kev.ops.autotune)
+    their passes take under these workloads, and those of their start-up buckets (`graph_rows`,
+    `graph_docs`: KEV_GRAPH_ROWS / KEV_GRAPH_DOCS values), so that no start-up capture tunes a class
+    on its synthetic pass. A bucketed pass is tuned as its bucket's class.
+    - both: rows_few, the class of the start-up warm-up passes (the bank's 8-token state pass, the
+      scorer's warm-up request);
+    - a scorer: its row buckets, `row_plan`'s (every row count up to `max_rows_per_pass` at the
+      workloads' row length; rows of more than 128 tokens, which fit no bucket, are not covered);
+    - the bank: every state bucket the workloads' documents fit (each length's bucket, for a range
+      every bucket between its ends; every document count: the bank keeps a pass that starts in a
+      bucket inside one); a document longer than the longest bucket runs unbucketed, a
+      `STATE_CHUNK_TOKENS` chunk at a time, k of its length together while they fit
+      `BANK_MAX_PASS_TOKENS`: classify(k, k x chunk) (longdoc's 16,384 / 61,440: 1 x 8,192, docs_few).
+    A class missed here is tuned at its first pass: slower, never wrong."""
+    from kev.graphs import Buckets
+    from kev.ops.autotune import ShapeClass, classify
+    from kev.passes import parse_doc_buckets, parse_row_buckets
+
+    b = Buckets()
+    rows = {ShapeClass.ROWS_FEW}
+    for R, L, P in (*parse_row_buckets(row_plan(workloads, max_rows_per_pass)), *parse_row_buckets(graph_rows)):
+        if (key := b.row_key(R, L, P)) is not None:
+            rows.add(key.shape_class)
+    docs = {ShapeClass.ROWS_FEW}
+    lengths: set[int] = set()
+    for w in workloads:
+        if w.doc_range is not None:  # every bucket some length of the range falls in
+            lo, hi = w.doc_range
+            lengths.update(L for prev, L in zip((0, *b.doc_tokens), b.doc_tokens) if L >= lo and prev < hi)
+        else:
+            lengths.update(L for n in w.doc_tokens if (L := _bucket(n, b.doc_tokens)) is not None)
+        for n in _doc_lengths(w):
+            if n > b.doc_tokens[-1]:  # unbucketed: k such documents a pass, a chunk of each at a time
+                most = max(1, min(max_pass_documents, BANK_MAX_PASS_TOKENS // n))
+                docs.update(classify(k, k * min(n, STATE_CHUNK_TOKENS)) for k in range(1, most + 1))
+    buckets = [(D, L) for L in lengths for D in b.docs if D <= max_pass_documents]
+    for D, L in (*buckets, *parse_doc_buckets(graph_docs)):
+        if (key := b.state_key(D, L)) is not None:
+            docs.add(key.shape_class)
+    show = lambda classes: ",".join(c.value for c in ShapeClass if c in classes)  # noqa: E731
+    return show(rows), show(docs)
 
 
 def longest_document(workloads: list[Workload]) -> int:

@@ -3,8 +3,8 @@
 On CPU, or with the torch reference ops, a process runs a plain `Runner`, exactly as before.
 On CUDA with the indexed `TritonOps` it runs the speed machinery of issue 5:
 - one `ClassTuner` per process (shape-class autotune caches, Triton's disk cache off);
-- `kev.ops.warm_up.warm_up` of every class its passes can use, with the real model, dtypes and pools,
-  once per process and before any CUDA-graph capture;
+- `kev.ops.warm_up.warm_up` of every class its passes can use (or the plan's `warm` classes), with
+  the real model, dtypes and pools, once per process and before any CUDA-graph capture;
 - `GraphedPasses` under the WHEN_IDLE policy: the start-up buckets (`GraphPlan`) captured before
   the process serves; a bucket used twice without a graph is queued and captured by the process's
   pass thread when its queue is empty (`ServedPasses.capture_when_idle`); at most `max_graphs` kept.
@@ -102,6 +102,22 @@ def parse_doc_buckets(text: str) -> tuple[tuple[int, int], ...]:
     return tuple((p[0], p[1]) for p in _parse_buckets(text, "document buckets", (2,)))
 
 
+def parse_warm_classes(text: str) -> tuple[ShapeClass, ...] | None:
+    """The autotune classes warmed at start-up: 'all' or '' -> None (the role's own classes);
+    'none' -> () (nothing warmed: every class autotunes at its first pass); otherwise ShapeClass
+    values separated by commas ('rows_few,rows_mid'), returned in ShapeClass order, once each."""
+    text = text.strip().lower()
+    if text in ("", "all"):
+        return None
+    if text == "none":
+        return ()
+    known = {c.value: c for c in ShapeClass}
+    names = [n.strip() for n in text.split(",")]
+    if unknown := [n for n in names if n not in known]:
+        raise ValueError(f"unknown autotune class(es) {unknown}; known: {', '.join(known)} (or 'all', 'none')")
+    return tuple(c for c in ShapeClass if c.value in names)
+
+
 @dataclass(frozen=True)
 class GraphPlan:
     """What a process captures at start-up and how many graphs it keeps (CUDA only)."""
@@ -110,10 +126,15 @@ class GraphPlan:
     docs: tuple[tuple[int, int], ...] = parse_doc_buckets(DEFAULT_DOC_BUCKETS)  # (documents, tokens each)
     max_graphs: int = 32  # graphs kept, least recently used dropped; 0: no CUDA graphs
     max_rows_per_pass: int | None = None  # row buckets no pass of this size can use are skipped
+    # autotune classes warmed at start-up; None: the role's (`PassBuilder.warm_classes`); a class
+    # not warmed autotunes at its first pass, on that pass's shape alone
+    warm: tuple[ShapeClass, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_graphs < 0:
             raise ValueError(f"max_graphs must be >= 0, got {self.max_graphs}")
+        if self.warm is not None and not all(isinstance(c, ShapeClass) for c in self.warm):
+            raise ValueError(f"warm must hold ShapeClass members, got {self.warm!r}")
 
 
 class ServedPasses:
@@ -174,12 +195,16 @@ class PassBuilder:
         self.tuner: ClassTuner | None = None  # made by the first CUDA build
         self.graph_stats: GraphStats | None = None  # likewise
         self.warmed: list[ShapeClass] = []
+        self._warm_done = False  # `warmed` may stay empty (a plan that warms nothing)
         self._lock = threading.Lock()  # a re-attach may race another
 
     @property
     def warm_classes(self) -> list[ShapeClass]:
-        """A scorer's passes are row-like (the row buckets stop at 128 tokens a row); the bank's
-        and the engine's state passes reach every class."""
+        """The plan's `warm` when set (ShapeClass order, once each). Else by role: a scorer's passes
+        are row-like (the row buckets stop at 128 tokens a row); the bank's and the engine's state
+        passes reach every class."""
+        if self.plan.warm is not None:
+            return [c for c in ShapeClass if c in self.plan.warm]
         return [c for c in ShapeClass if c.rows] if self.role is PassRole.ROWS else list(ShapeClass)
 
     def build(self, bank, *, capture: bool = True) -> ServedPasses:
@@ -196,9 +221,9 @@ class PassBuilder:
             if self.tuner is None:
                 self.tuner, self.graph_stats = ClassTuner(hot_autotuners()), GraphStats()
             runner = Runner(self.model, bank, self.ops, self.state_chunk_tokens, tuner=self.tuner)
-            if not self.warmed:
+            if not self._warm_done:
                 start = time.perf_counter()
-                self.warmed = warm_up(runner, self.warm_classes)
+                self.warmed, self._warm_done = warm_up(runner, self.warm_classes), True
                 log.info("autotune classes %s warmed in %.1f s", [c.value for c in self.warmed],
                          time.perf_counter() - start)
             if self.plan.max_graphs == 0:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets
+from kev.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets, parse_warm_classes
 from kev.prompts import Limits
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class ScorerConfig:
     # CUDA only (kev/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
     graph_rows: str = _env("KEV_GRAPH_ROWS", DEFAULT_ROW_BUCKETS)
     max_graphs: int = _env("KEV_MAX_GRAPHS", 32)  # CUDA graphs kept (LRU); 0: none
+    warm_classes: str = _env("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up: all, none or a list
     # Row-pass kernels: unset = torch on CPU, triton (bank-indexed) on GPU; "gathered" is the
     # gathered-state baseline (kev/ops/gathered_ops.py) that bench/load_compare.py serves side by side.
     ops: str | None = _env("KEV_OPS", None)
@@ -90,6 +91,10 @@ class ScorerConfig:
             raise ConfigError(f"KEV_GRAPH_ROWS: {e}") from None
         if self.max_graphs and len(rows) > self.max_graphs:
             raise ConfigError(f"KEV_GRAPH_ROWS names {len(rows)} buckets, more than KEV_MAX_GRAPHS={self.max_graphs}")
+        try:
+            parse_warm_classes(self.warm_classes)
+        except ValueError as e:
+            raise ConfigError(f"KEV_WARM_CLASSES: {e}") from None
 
     @property
     def ops_backend(self) -> str:
@@ -103,7 +108,7 @@ class ScorerConfig:
     def graph_plan(self) -> GraphPlan:
         """What the row passes capture on CUDA (ignored on CPU)."""
         return GraphPlan(rows=parse_row_buckets(self.graph_rows), docs=(), max_graphs=self.max_graphs,
-                         max_rows_per_pass=self.max_rows_per_pass)
+                         max_rows_per_pass=self.max_rows_per_pass, warm=parse_warm_classes(self.warm_classes))
 
     @property
     def document_limit(self) -> int:

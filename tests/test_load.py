@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -63,14 +65,16 @@ def test_workloads_have_exact_token_lengths(checkpoint, name):
 
 
 def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
-    metrics_port = free_port()
+    metrics_port, bank_metrics_port = free_port(), free_port()
     stack = Stack(checkpoint, bank_memory_bytes=4 << 20, max_document_tokens=512,
-                  bank_flags=["--avg-doc-tokens", "64"], scorer_env={"KEV_METRICS_PORT": str(metrics_port)})
+                  bank_flags=["--avg-doc-tokens", "64"], scorer_env={"KEV_METRICS_PORT": str(metrics_port)},
+                  bank_env={"KEV_METRICS_PORT": str(bank_metrics_port)})
     out = tmp_path / "load.json"
     with stack:
         rc = load.main(["--addr", stack.scorer_addr, "--checkpoint", str(checkpoint), "--workload", "six-short",
                         "--clients", "8", "--duration", "3", "--warmup-s", "0.5",
-                        "--metrics-url", f"http://127.0.0.1:{metrics_port}/metrics", "--out", str(out)])
+                        "--metrics-url", f"http://127.0.0.1:{metrics_port}/metrics",
+                        "--bank-metrics-url", f"http://127.0.0.1:{bank_metrics_port}/metrics", "--out", str(out)])
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     assert run["errors"] == {} and run["error_count"] == 0 and rc == 0
@@ -83,6 +87,11 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert run["bank_hit_ratio"] == 0 and run["scorer_bank_hit_ratio"] == 0  # a new document every request
     assert run["row_passes"] > 0 and 1 <= run["rows_per_pass"] <= 96
     assert run["row_tokens_per_pass"] == pytest.approx(32 * run["rows_per_pass"])
+    assert run["row_pass_ms"] > 0 and 0 < run["row_worker_busy"] <= 1.1  # a pass may straddle the window's ends
+    assert sum(run["row_passes_by_path"].values()) == 0  # no CUDA graphs on a CPU: the counters are not exported
+    assert run["state_passes"] > 0 and 1 <= run["documents_per_state_pass"] <= 8  # 8 clients, a new document each
+    assert run["state_pass_ms"] > 0 and 0 < run["state_worker_busy"] <= 1.1
+    assert run["new_document_acquire_ms"] >= run["state_pass_ms"] * 0.5  # an Acquire waits for its pass
 
 
 def test_baseline_answers_match_the_engine(checkpoint):
@@ -222,3 +231,81 @@ def test_start_up_plans_follow_the_workloads():
     assert startup_breakdown(log_text) == {"weights_s": 31.5, "class_warm_up_s": 38.2, "graph_capture_s": 9.9,
                                            "graphs": 11, "ready_s": 81.0}
     assert startup_breakdown("nothing")["ready_s"] is None
+
+
+ROW_CLASSES = "rows_few,rows_mid,rows_wide"
+
+
+def test_warm_plan_follows_the_workloads():
+    from bench.load_startup import warm_plan
+    from kev.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS
+
+    six, five, mixed, longdoc = (WORKLOADS[w] for w in ("six-short", "five-long", "mixed", "longdoc"))
+    # (scorers, bank). Scorers: 1..96 rows of <= 128 tokens are the three row classes.
+    # six-short's bank: 1..64 x 64-token state buckets, row-like: no document class to warm
+    assert warm_plan([six]) == (ROW_CLASSES, ROW_CLASSES)
+    # five-long's: 1..6 x 2,304 (docs_few up to 4, docs_wide 6), and rows_few for the start-up warm-up passes
+    assert warm_plan([five]) == (ROW_CLASSES, "rows_few,docs_few,docs_wide")
+    # mixed: 32..512 tokens, every bucket between (64..512), every count: all five
+    assert warm_plan([mixed]) == (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few,docs_wide")
+    # longdoc: no state bucket; 16,384 / 61,440 tokens run alone as 8,192-token chunks: 1 x 8,192
+    assert warm_plan([longdoc]) == (ROW_CLASSES, "rows_few,docs_few")
+    assert warm_plan([six, longdoc]) == (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few")
+    # a range whose small end allows more documents than its large end: 1..64 x 256 are docs_wide
+    assert warm_plan([replace(mixed, doc_range=(200, 4000))])[1] == "rows_few,docs_few,docs_wide"
+    # documents a little over the longest bucket: up to three a pass, still docs_few; scaled longdoc
+    assert warm_plan([replace(longdoc, doc_tokens=(5000,))])[1] == "rows_few,docs_few"
+    assert warm_plan([longdoc.scaled(0.1)])[1] == "rows_few,docs_few,docs_wide"  # 1,638: up to 8 x 2,048
+    # the start-up buckets count too (the services' defaults reach every class), and fewer rows per pass
+    assert warm_plan([longdoc], DEFAULT_ROW_BUCKETS, DEFAULT_DOC_BUCKETS)[1] == \
+        "rows_few,rows_mid,rows_wide,docs_few,docs_wide"
+    assert warm_plan([six], "none", "1x2048") == (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few")
+    assert warm_plan([six], max_rows_per_pass=8) == ("rows_few", ROW_CLASSES)
+
+
+def test_load_compare_passes_the_warm_classes(monkeypatch):
+    from bench import load_compare
+
+    def defaults(workload, warm="auto", graph_docs="auto", **kw):
+        args = SimpleNamespace(scale=1.0, graph_rows="auto", graph_docs=graph_docs, warm_classes=warm,
+                               gathered_max_prefix_tokens=None, sweep=None, clients=8, **kw)
+        load_compare.apply_startup_defaults(args, [workload])
+        return args
+
+    def warms(args):
+        return args.scorer_warm_classes, args.bank_warm_classes
+
+    assert {w: warms(defaults(w)) for w in WORKLOADS} == {
+        "six-short": (ROW_CLASSES, ROW_CLASSES), "five-long": (ROW_CLASSES, "rows_few,docs_few,docs_wide"),
+        "mixed": (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few,docs_wide"),
+        "longdoc": (ROW_CLASSES, "rows_few,docs_few")}
+    # --graph-docs default: the bank captures its own 13 buckets, so it warms their classes too
+    assert warms(defaults("six-short", graph_docs="default"))[1] == "rows_few,rows_mid,rows_wide,docs_few,docs_wide"
+    assert warms(defaults("six-short", warm="rows_few")) == ("rows_few", "rows_few")  # one setting for all
+    assert warms(defaults("six-short", warm="default")) == ("default", "default")  # not passed: see below
+    with pytest.raises(ValueError, match="unknown autotune class"):
+        defaults("six-short", warm="rows")
+
+    made = []
+
+    class Stopped(Exception):
+        pass
+
+    class FakeStack:
+        def __init__(self, checkpoint, **kw):
+            made.append(kw)
+
+        def start(self):
+            raise Stopped
+
+    monkeypatch.setattr(load_compare, "Stack", FakeStack)
+    run = dict(device="cuda", bank_gb=1.0, max_document_tokens=65536, avg_doc_tokens=2048, bank_flag=[],
+               scorer_flag=[], torch_threads=1)
+    for warm, scorer, bank in (("auto", ROW_CLASSES, ROW_CLASSES), ("default", None, None)):
+        args = defaults("six-short", warm, **run)
+        with pytest.raises(Stopped):
+            load_compare.start_stack(Path("/ckpt"), args, with_gathered=True)
+        # scorer_env: every scorer of the stack, the gathered one too (Stack.add_scorer)
+        assert made[-1]["scorer_env"].get("KEV_WARM_CLASSES") == scorer
+        assert made[-1]["bank_env"].get("KEV_WARM_CLASSES") == bank
+        assert made[-1]["bank_env"]["KEV_GRAPH_DOCS"] == args.graph_docs

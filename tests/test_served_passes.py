@@ -17,8 +17,9 @@ from bank_service.config import BankConfig
 from bank_service.config import ConfigError as BankConfigError
 from kev.bank.bank import Bank
 from kev.ops import get_ops
+from kev.ops.autotune import ShapeClass
 from kev.passes import (DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassBuilder, PassRole, parse_doc_buckets,
-                        parse_row_buckets)
+                        parse_row_buckets, parse_warm_classes)
 from kev.runner import RowBatch, Runner
 from random_models import random_model, tiny_config
 from scorer_service.batcher import RowBatcher
@@ -43,6 +44,52 @@ def test_bucket_lists_parse():
         parse_doc_buckets("1x64x8")
 
 
+def test_warm_classes_parse():
+    assert parse_warm_classes("all") is None and parse_warm_classes(" ALL ") is None and parse_warm_classes("") is None
+    assert parse_warm_classes("none") == parse_warm_classes(" None") == ()
+    # ShapeClass order, once each, whatever the order written
+    assert parse_warm_classes("docs_wide, rows_few,docs_wide") == (ShapeClass.ROWS_FEW, ShapeClass.DOCS_WIDE)
+    assert parse_warm_classes("rows_few,rows_mid,rows_wide,docs_few,docs_wide") == tuple(ShapeClass)
+    for bad in ("rows_small", "rows_few,", "rows_few,all", "none,rows_few"):
+        with pytest.raises(ValueError, match=r"unknown autotune class.*known: rows_few, rows_mid, rows_wide, "
+                                             r"docs_few, docs_wide"):
+            parse_warm_classes(bad)
+    with pytest.raises(ValueError, match="ShapeClass"):
+        GraphPlan(warm=("rows_few",))
+
+
+def test_warm_classes_follow_the_plan():
+    rows_only = [ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID, ShapeClass.ROWS_WIDE]
+    # no `warm`: the role's classes, as before
+    assert PassBuilder(None, None, PassRole.ROWS).warm_classes == rows_only
+    assert PassBuilder(None, None, PassRole.STATES).warm_classes == list(ShapeClass)
+    assert PassBuilder(None, None, PassRole.BOTH).warm_classes == list(ShapeClass)
+    plan = GraphPlan(warm=(ShapeClass.DOCS_FEW, ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW))
+    for role in PassRole:  # the plan's, in ShapeClass order and once each, whatever the role
+        assert PassBuilder(None, None, role, plan).warm_classes == [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW]
+    assert PassBuilder(None, None, PassRole.STATES, GraphPlan(warm=())).warm_classes == []
+
+
+@pytest.mark.parametrize("warm", [None, (ShapeClass.DOCS_FEW,), ()], ids=["role", "some", "none"])
+def test_build_warms_the_plan_classes_once(monkeypatch, warm):
+    """The CUDA path's warm-up, with the tuner, the runner and `warm_up` stubbed: the classes given,
+    once per process (an empty plan too: a re-attach does not warm again)."""
+    import kev.passes as passes_module
+
+    calls = []
+    monkeypatch.setattr(passes_module, "_indexed", lambda ops: True)
+    monkeypatch.setattr(passes_module, "ClassTuner", lambda autotuners: "tuner")
+    monkeypatch.setattr(passes_module, "hot_autotuners", dict)
+    monkeypatch.setattr(passes_module, "Runner", lambda *a, **k: SimpleNamespace(device="cuda"))
+    monkeypatch.setattr(passes_module, "warm_up", lambda runner, classes: calls.append(list(classes)) or list(classes))
+    bank = SimpleNamespace(block_table=SimpleNamespace(device=torch.device("cuda")))
+    builder = PassBuilder(None, None, PassRole.STATES, GraphPlan(max_graphs=0, warm=warm))
+    builder.build(bank)
+    builder.build(bank, capture=False)
+    expected = list(ShapeClass) if warm is None else list(warm)
+    assert calls == [expected] and builder.warmed == expected
+
+
 def test_scorer_graph_settings_from_env_and_flags():
     default = ScorerConfig.from_env(SCORER_ENV, [])
     assert default.graph_plan == GraphPlan(rows=parse_row_buckets(DEFAULT_ROW_BUCKETS), docs=(), max_graphs=32,
@@ -53,6 +100,18 @@ def test_scorer_graph_settings_from_env_and_flags():
     flagged = ScorerConfig.from_env(env, ["--graph-rows", "none", "--max-graphs", "0"])  # flags override
     assert flagged.graph_plan.rows == () and flagged.graph_plan.max_graphs == 0
     assert ScorerConfig.from_env(SCORER_ENV, []).redacted()["graph_rows"] == DEFAULT_ROW_BUCKETS  # logged
+
+
+def test_scorer_warm_classes_from_env_and_flags():
+    default = ScorerConfig.from_env(SCORER_ENV, [])
+    assert default.warm_classes == "all" and default.graph_plan.warm is None
+    assert ScorerConfig.from_env({**SCORER_ENV, "KEV_WARM_CLASSES": ""}, []).graph_plan.warm is None  # unset
+    env = {**SCORER_ENV, "KEV_WARM_CLASSES": "rows_mid,rows_few"}
+    assert ScorerConfig.from_env(env, []).graph_plan.warm == (ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID)
+    assert ScorerConfig.from_env(env, ["--warm-classes", "none"]).graph_plan.warm == ()  # the flag overrides
+    assert ScorerConfig.from_env(env, []).redacted()["warm_classes"] == "rows_mid,rows_few"  # logged
+    with pytest.raises(ConfigError, match="KEV_WARM_CLASSES: unknown autotune class"):
+        ScorerConfig.from_env({**SCORER_ENV, "KEV_WARM_CLASSES": "rows"}, [])
 
 
 @pytest.mark.parametrize("env,match", [
@@ -81,6 +140,18 @@ def test_bank_graph_settings_from_env_and_flags():
                        ({"KEV_MAX_GRAPHS": "1"}, "more than KEV_MAX_GRAPHS")):
         with pytest.raises(BankConfigError, match=match):
             BankConfig.from_env({**BANK_ENV, **bad}, [])
+
+
+def test_bank_warm_classes_from_env_and_flags():
+    default = BankConfig.from_env(BANK_ENV, [])
+    assert default.warm_classes == "all" and default.graph_plan.warm is None
+    env = {**BANK_ENV, "KEV_WARM_CLASSES": "rows_few,docs_few"}
+    assert BankConfig.from_env(env, []).graph_plan.warm == (ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW)
+    assert BankConfig.from_env(env, ["--warm-classes", "all"]).graph_plan.warm is None  # the flag overrides
+    assert BankConfig.from_env(BANK_ENV, ["--warm-classes", "none"]).graph_plan.warm == ()
+    assert BankConfig.from_env(env, []).redacted()["warm_classes"] == "rows_few,docs_few"  # logged
+    with pytest.raises(BankConfigError, match="KEV_WARM_CLASSES: unknown autotune class"):
+        BankConfig.from_env({**BANK_ENV, "KEV_WARM_CLASSES": "docs"}, [])
 
 
 def test_start_keys_follow_the_plan():
