@@ -157,8 +157,12 @@ class Stack:
         self.dir = Path(tempfile.mkdtemp(prefix="kev-stack-", dir="/tmp"))
         try:
             self._start_redis(binary)
-            self._start_bank()
-            self.add_scorer(self.scorer_port)
+            # The first scorer loads its weights while the bank starts; it attaches (and only then
+            # warms up on the GPU) once the bank is ready, so no two warm-ups share the device.
+            self._start_bank(wait=False)
+            self.add_scorer(self.scorer_port, wait=False)
+            self.wait_healthy(self.bank, self.bank_addr, "kev.v1.Bank")
+            self.wait_healthy(self.scorers[0], self.scorer_addrs[0], "kev.v1.Scorer")
         except BaseException:
             self.stop()
             raise
@@ -210,7 +214,7 @@ class Stack:
         self.kill_redis()
         self.start_redis()
 
-    def _start_bank(self) -> None:
+    def _start_bank(self, wait: bool = True) -> None:
         settings = {"KEV_CHECKPOINT": str(self.checkpoint), "KEV_DEVICE": "cpu",
                     "KEV_BANK_LISTEN": self.bank_addr, "KEV_BANK_MEMORY_BYTES": str(self.bank_memory_bytes),
                     "KEV_REDIS_URL": self.redis_url, "KEV_METRICS_PORT": "0",
@@ -220,7 +224,8 @@ class Stack:
                 *self.bank_flags]
         self.bank = Proc("bank", args, self._env(settings), self._path("bank.log"))
         self.bank.start()
-        self.wait_healthy(self.bank, self.bank_addr, "kev.v1.Bank")
+        if wait:
+            self.wait_healthy(self.bank, self.bank_addr, "kev.v1.Bank")
 
     def stop_bank(self, kill: bool = False) -> None:
         """Stops the bank (SIGTERM), or crashes it (`kill`: SIGKILL)."""
@@ -238,8 +243,8 @@ class Stack:
         self.stop_bank(kill)
         self.start_bank()
 
-    def add_scorer(self, port: int = 0, env: dict[str, str] | None = None) -> str:
-        """Starts a scorer on the bank; returns its address once it is SERVING."""
+    def add_scorer(self, port: int = 0, env: dict[str, str] | None = None, wait: bool = True) -> str:
+        """Starts a scorer on the bank; returns its address once it is SERVING (`wait`), or at once."""
         addr = f"127.0.0.1:{port or free_port()}"
         settings = {"KEV_CHECKPOINT": str(self.checkpoint), "KEV_DEVICE": "cpu", "KEV_SCORER_LISTEN": addr,
                     "KEV_BANK_ADDR": self.bank_addr, "KEV_REDIS_URL": self.redis_url, "KEV_METRICS_PORT": "0",
@@ -251,7 +256,8 @@ class Stack:
         self.scorers.append(proc)
         self.scorer_addrs.append(addr)
         proc.start()
-        self.wait_healthy(proc, addr, "kev.v1.Scorer")
+        if wait:
+            self.wait_healthy(proc, addr, "kev.v1.Scorer")
         return addr
 
     def kill_scorer(self, index: int = 0) -> None:
