@@ -144,7 +144,9 @@ class GraphedPasses:
     def state_and_row_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
                            batch: RowBatch) -> torch.Tensor:
         """Same as `Runner.state_and_row_pass`: one sweep in a `SweepKey` bucket when the documents
-        fit a state bucket and the rows a row bucket; else the two passes, each graphed if it can be."""
+        fit a state bucket and the rows a row bucket; else the two passes, each graphed if it can be.
+        Until the sweep has a graph of its own, a state graph and a row graph that both exist run
+        instead (two replays beat one eager sweep); the sweep's uses still count toward its capture."""
         lens = [len(d) for d in documents]
         state = self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
         rows = None
@@ -156,6 +158,12 @@ class GraphedPasses:
         for h in handles:
             self.runner.bank.check(h)
         key = SweepKey(state, rows)
+        sweep = self._entries.get(key)
+        if (sweep is None or sweep.graph is None) and self.policy is not CapturePolicy.ON_FIRST_USE \
+                and all(k in self._entries and self._entries[k].graph is not None for k in (state, rows)):
+            self._count_use(key)
+            self.state_pass(documents, handles)
+            return self.row_pass(batch)
         entry = self._entry(key)
         table = self.runner.bank.block_table
         entry.static.fill_state(documents, [h.slot for h in handles], table)
@@ -241,14 +249,20 @@ class GraphedPasses:
         return r.model(torch.cat([s.tokens, rows.tokens]), meta, r.bank.pools, r.ops, picks=rows.picks + Td,
                        mixer_scope=r.phase_scope)
 
+    def _count_use(self, key: AnyKey) -> None:
+        """A use of a bucket without a graph: WHEN_IDLE queues it for capture at `min_uses`."""
+        self._uses[key] += 1
+        if (self.policy is CapturePolicy.WHEN_IDLE and self._uses[key] >= self.min_uses
+                and key not in self._pending and key not in self.failed):
+            self._pending.append(key)
+
     def _run(self, key: AnyKey, entry: _Entry) -> torch.Tensor:
         if entry.graph is None and key not in self.failed:
-            self._uses[key] += 1
             if self.policy is CapturePolicy.ON_FIRST_USE:
+                self._uses[key] += 1
                 self._try_capture(key, entry)
-            elif (self.policy is CapturePolicy.WHEN_IDLE and self._uses[key] >= self.min_uses
-                  and key not in self._pending):
-                self._pending.append(key)
+            else:
+                self._count_use(key)
         if entry.graph is not None:
             entry.graph.replay()
             self.stats.replays += 1

@@ -245,6 +245,32 @@ def test_graphed_sweep_matches_the_runner(model, fake_capture):
             assert torch.equal(a, b)
 
 
+def test_sweep_without_its_graph_replays_the_two_graphs(model, fake_capture):
+    """WHEN_IDLE: until a sweep bucket is captured, a state graph and a row graph that exist run
+    instead of an eager sweep; the sweep is queued after `min_uses` uses and replayed once captured."""
+    bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
+    runner = Runner(model, bank, CpuTritonOps())
+    passes = GraphedPasses(runner, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
+    state, rows = GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 8)
+    passes.capture([state, rows])
+    outs = []
+    for rep in range(3):
+        gen = torch.Generator().manual_seed(50 + rep)
+        docs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 9)]
+        handles = [bank.alloc(len(d)) for d in docs]
+        batch = row_batch(docs, handles, lens=(12, 30, 5), seed=rep)
+        replays = passes.stats.replays
+        outs.append(passes.state_and_row_pass(docs, handles, batch))
+        assert passes.stats.replays - replays == (2 if rep < 2 else 1) and passes.stats.eager_bucketed == 0
+        ref = runner.row_pass(batch)  # the states the sweep stored, read by the plain row pass
+        assert rel_err(ref, outs[-1]) <= 1e-5
+        for h in handles:
+            bank.free(h)
+        if rep == 1:
+            assert passes.pending == [SweepKey(state, rows)] and passes.capture_pending() == 1
+    assert SweepKey(state, rows) in passes.graphs()
+
+
 def test_gathered_plan_follows_a_bucket_between_replays():
     """GatheredOps on a CUDA-graph bucket: the gather plan is re-derived from the bucket's index
     buffers at every call (a plan kept from the capture's synthetic fill read slot 0 and one page
