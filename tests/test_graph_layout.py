@@ -215,6 +215,14 @@ def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture, l
         assert torch.equal(a, b)
 
 
+def new_documents_and_rows(bank, seed):
+    """Two new documents (slots allocated, nothing stored yet) and three rows over them: one sweep's input."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 9)]
+    handles = [bank.alloc(len(d)) for d in docs]
+    return docs, handles, row_batch(docs, handles, lens=(12, 30, 5), seed=seed)
+
+
 def test_graphed_sweep_matches_the_runner(model, fake_capture):
     """One sweep in a SweepKey bucket (documents padded as in a STATE bucket, rows as in a ROWS one)
     stores exactly what the unpadded sweep stores and gives its rows' answers (fp32, see the module
@@ -228,10 +236,7 @@ def test_graphed_sweep_matches_the_runner(model, fake_capture):
         passes = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE) if graphed else runner
         out = []
         for rep in range(2):
-            gen = torch.Generator().manual_seed(40 + rep)
-            docs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 9)]
-            handles = [bank.alloc(len(d)) for d in docs]
-            batch = row_batch(docs, handles, lens=(12, 30, 5), seed=rep)
+            docs, handles, batch = new_documents_and_rows(bank, 40 + rep)
             out.append((passes.state_and_row_pass(docs, handles, batch), [t.clone() for t in bank.pools.tensors()]))
             for h in handles:
                 bank.free(h)
@@ -255,10 +260,7 @@ def test_sweep_without_its_graph_replays_the_two_graphs(model, fake_capture):
     passes.capture([state, rows])
     outs = []
     for rep in range(3):
-        gen = torch.Generator().manual_seed(50 + rep)
-        docs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (50, 9)]
-        handles = [bank.alloc(len(d)) for d in docs]
-        batch = row_batch(docs, handles, lens=(12, 30, 5), seed=rep)
+        docs, handles, batch = new_documents_and_rows(bank, 50 + rep)
         replays = passes.stats.replays
         outs.append(passes.state_and_row_pass(docs, handles, batch))
         assert passes.stats.replays - replays == (2 if rep < 2 else 1) and passes.stats.eager_bucketed == 0
