@@ -183,14 +183,15 @@ ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
 }
 
 
-@pytest.mark.parametrize("nv", [1, 2], ids=lambda n: f"nv{n}")
+@pytest.mark.parametrize("nv", [1, 2, 4], ids=lambda n: f"nv{n}")
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("case", ATTN_CASES, ids=list(ATTN_CASES))
 def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads, nv):
-    """nv: the value features split over that many programs (an autotuned config)."""
+    """nv: the value features split over that many programs (an autotuned config; 4 needs a head
+    dim of 64 or more, see `valid_configs`)."""
     lens, prefixes, write = ATTN_CASES[case]
     HQ, HKV = heads
-    D, BS, NB = 32, 16, 24
+    D, BS, NB = 64 if nv == 4 else 32, 16, 24
     g = torch.Generator().manual_seed(HQ + len(lens))
     T, N = sum(lens), len(lens)
     q = torch.randn(T, HQ, D + 8, generator=g)[..., 4:4 + D]  # strided views
@@ -219,6 +220,16 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     outside = torch.ones_like(kbase, dtype=torch.bool)
     outside[1::2, 1:1 + BS, 1:1 + HKV, 1:1 + D] = False
     assert torch.equal(kbase[outside], kbefore[outside])
+
+
+def test_attention_configs_keep_a_dot_operand():
+    """The autotuner only tries value splits whose slice is still a dot operand (>= 16 features)."""
+    from kev.ops.attention.paged_prefix import valid_configs
+    from triton import Config
+
+    configs = [Config({"NV": nv}) for nv in (1, 2, 4)]
+    assert [c.kwargs["NV"] for c in valid_configs(configs, {}, BD=32)] == [1, 2]
+    assert [c.kwargs["NV"] for c in valid_configs(configs, {}, BD=256)] == [1, 2, 4]
 
 
 @pytest.fixture(scope="module")

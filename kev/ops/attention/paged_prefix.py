@@ -30,10 +30,12 @@ from kev.ops.conv.indexed_conv import shape_class
 # query block compute the same scores and each accumulates BD / NV of the value features, so every
 # output element sees the very same sums. At head dim 256 one program's [64, 256] fp32 accumulator,
 # queries and K/V tiles spill (ptxas, sm_90: 255 registers, 1.9 KB spilled per thread at 4 warps,
-# 1.1 KB at 8); NV = 2 at 8 warps spills 32 bytes, for the scores computed twice.
+# 1.1 KB at 8); NV = 2 at 8 warps spills 32 bytes, for the scores computed twice. NV = 4 is for few
+# rows over a long prefix, where the programs are too few to fill the GPU (5 rows x 32 tokens over
+# 2,200 tokens: 80 programs at NV = 2, 137 us a layer on the H200, against ~2 us of K/V to read).
 ATTN_CONFIGS = [
     triton.Config({"NV": nv}, num_warps=num_warps, num_stages=num_stages)
-    for nv in [1, 2]
+    for nv in [1, 2, 4]
     for num_warps in [4, 8]
     for num_stages in [1, 2]
 ]
@@ -157,8 +159,14 @@ def paged_prefix_attn_fwd_kernel(
     tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
 
 
+def valid_configs(configs, named_args, **kwargs):
+    """The configs whose value slice BD / NV is still a dot operand (>= 16 features)."""
+    return [c for c in configs if kwargs["BD"] // c.kwargs["NV"] >= 16]
+
+
 _tuned_attn_kernel = triton.autotune(
-    configs=ATTN_CONFIGS, key=["HQ", "G", "D", "BS", "N_CLASS", "T_CLASS"])(paged_prefix_attn_fwd_kernel)
+    configs=ATTN_CONFIGS, key=["HQ", "G", "D", "BS", "N_CLASS", "T_CLASS"],
+    prune_configs_by={"early_config_prune": valid_configs})(paged_prefix_attn_fwd_kernel)
 
 
 def paged_prefix_attention(
