@@ -19,9 +19,8 @@ from kev.bank.bank import Bank, BankHandle
 from kev.config import ModelConfig
 from kev.model import Qwen35Model
 from kev.ops import Ops, PassMeta
-from kev.ops.meta import PhasedMeta
 from kev.ops.autotune import ClassTuner, ShapeClass, classify
-from kev.ops.meta import host_positions
+from kev.ops.meta import PhasedMeta, host_positions
 
 # Safety factor of `state_pass_peak_bytes` over its itemised estimate: kernel temporaries not listed,
 # allocation rounding, tensors freed a little later than the listing assumes.
