@@ -115,9 +115,7 @@ class GraphedPasses:
     @torch.no_grad()
     def row_pass(self, batch: RowBatch) -> torch.Tensor:
         """Same as `Runner.row_pass(batch)` for the real rows: [P, d] hidden states at the picks."""
-        key = None
-        if batch.row_lens:
-            key = self.buckets.row_key(len(batch.row_lens), max(batch.row_lens), batch.picks.shape[0])
+        key = self._row_key(batch)
         if key is None:
             self.stats.unbucketed += 1
             return self.runner.row_pass(batch)
@@ -129,8 +127,7 @@ class GraphedPasses:
     @torch.no_grad()
     def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
         """Same as `Runner.state_pass`; short new documents (one chunk each) run bucketed."""
-        lens = [len(d) for d in documents]
-        key = self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
+        key = self._state_key(documents)
         if key is None:
             self.stats.unbucketed += 1
             return self.runner.state_pass(documents, handles)
@@ -147,29 +144,36 @@ class GraphedPasses:
         fit a state bucket and the rows a row bucket; else the two passes, each graphed if it can be.
         Until the sweep has a graph of its own, a state graph and a row graph that both exist run
         instead (two replays beat one eager sweep); the sweep's uses still count toward its capture."""
-        lens = [len(d) for d in documents]
-        state = self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
-        rows = None
-        if batch.row_lens:
-            rows = self.buckets.row_key(len(batch.row_lens), max(batch.row_lens), batch.picks.shape[0])
-        if state is None or rows is None:
+        state, rows = self._state_key(documents), self._row_key(batch)
+        key = None if state is None or rows is None else SweepKey(state, rows)
+        if key is not None and not self._has_graph(key) and self.policy is not CapturePolicy.ON_FIRST_USE \
+                and self._has_graph(state) and self._has_graph(rows):
+            self._count_use(key)  # two replays now; the sweep is captured once it has been used enough
+            key = None
+        if key is None:
             self.state_pass(documents, handles)
             return self.row_pass(batch)
         for h in handles:
             self.runner.bank.check(h)
-        key = SweepKey(state, rows)
-        sweep = self._entries.get(key)
-        if (sweep is None or sweep.graph is None) and self.policy is not CapturePolicy.ON_FIRST_USE \
-                and all(k in self._entries and self._entries[k].graph is not None for k in (state, rows)):
-            self._count_use(key)
-            self.state_pass(documents, handles)
-            return self.row_pass(batch)
         entry = self._entry(key)
         table = self.runner.bank.block_table
         entry.static.fill_state(documents, [h.slot for h in handles], table)
         P = entry.rows.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions,
                                  batch.picks, table)
         return self._run(key, entry)[:P].clone()
+
+    def _row_key(self, batch: RowBatch) -> GraphKey | None:
+        if not batch.row_lens:  # row lengths unknown on the host: no bucket
+            return None
+        return self.buckets.row_key(len(batch.row_lens), max(batch.row_lens), batch.picks.shape[0])
+
+    def _state_key(self, documents: Sequence[Sequence[int]]) -> GraphKey | None:
+        lens = [len(d) for d in documents]
+        return self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
+
+    def _has_graph(self, key: AnyKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.graph is not None
 
     def state_bucket(self, num_docs: int, max_len: int) -> GraphKey | None:
         """The bucket a state pass of `num_docs` new documents (the longest `max_len` tokens) runs
@@ -258,11 +262,9 @@ class GraphedPasses:
 
     def _run(self, key: AnyKey, entry: _Entry) -> torch.Tensor:
         if entry.graph is None and key not in self.failed:
+            self._count_use(key)
             if self.policy is CapturePolicy.ON_FIRST_USE:
-                self._uses[key] += 1
                 self._try_capture(key, entry)
-            else:
-                self._count_use(key)
         if entry.graph is not None:
             entry.graph.replay()
             self.stats.replays += 1

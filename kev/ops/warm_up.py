@@ -20,12 +20,15 @@ if TYPE_CHECKING:
     from kev.runner import Runner
 
 
-def warm_shapes(cls: ShapeClass, *, row_slot: int = -1, row_prefix: int = 0) -> list[ClassShape]:
+def warm_shapes(cls: ShapeClass, *, row_slot: int = -1, row_prefix: int = 0,
+                max_prefix: int | None = None) -> list[ClassShape]:
     """`cls`'s `CLASS_SHAPES` as `warm_up` can run them: a prefix reads `row_slot`'s document,
     `row_prefix` stored tokens, so it is cut to that; without a slot it is kept and read from
-    synthetic pages (`_warm_pass`); duplicates dropped."""
-    cut = (lambda p: min(p, row_prefix)) if row_slot >= 0 else (lambda p: p)
-    return list(dict.fromkeys(ClassShape(s.seqs, s.tokens, cut(s.prefix)) for s in CLASS_SHAPES[cls]))
+    synthetic pages (`_warm_pass`). Ops that hold at most `max_prefix` tokens of a row's prefix
+    (the gathered variant's page buffer) warm with the prefix cut to that, the longest they serve.
+    Duplicates dropped."""
+    limits = [n for n in (row_prefix if row_slot >= 0 else None, max_prefix) if n is not None]
+    return list(dict.fromkeys(ClassShape(s.seqs, s.tokens, min([s.prefix, *limits])) for s in CLASS_SHAPES[cls]))
 
 
 def _warm_pass(runner: "Runner", shape: ClassShape, row_slot: int, gen: torch.Generator) -> None:
@@ -36,12 +39,9 @@ def _warm_pass(runner: "Runner", shape: ClassShape, row_slot: int, gen: torch.Ge
     synthetic block table (distinct pages per row, as real documents have): the same kernels,
     shapes and memory traffic as rows over a stored document, so the tuned configs fit them.
     Attention configs do depend on the prefix length (a no-prefix pick was 3.4x the best over a
-    2,200-token prefix). Ops that hold at most `max_prefix_tokens` of a row's prefix (the gathered
-    variant's page buffer) warm with the prefix cut to that: the longest they will ever serve."""
+    2,200-token prefix)."""
     device, bank, cfg = runner.device, runner.bank, runner.model.cfg
     n, L, prefix = shape.seqs, shape.tokens, shape.prefix
-    if (most := getattr(runner.ops, "max_prefix_tokens", None)) is not None:
-        prefix = min(prefix, most)
     as_long = dict(dtype=torch.int64, device=device)
     if prefix > 0 and row_slot >= 0:
         slots = torch.full((n,), row_slot, **as_long)
@@ -74,7 +74,8 @@ def warm_up(runner: "Runner", classes: Iterable[ShapeClass] = tuple(ShapeClass),
     gen = torch.Generator().manual_seed(seed)
     done = []
     for cls in classes:
-        shapes = warm_shapes(cls, row_slot=row_slot, row_prefix=row_prefix)
+        shapes = warm_shapes(cls, row_slot=row_slot, row_prefix=row_prefix,
+                             max_prefix=getattr(runner.ops, "max_prefix_tokens", None))
         runner.tuner.tune(cls, [functools.partial(_warm_pass, runner, s, row_slot, gen) for s in shapes])
         done.append(cls)
     if torch.device(runner.device).type == "cuda":
