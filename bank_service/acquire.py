@@ -8,7 +8,8 @@
     worker thread: drains the queue (waits up to max_wait for more; on CUDA a pass that fits a
     graph bucket takes no document that would make it fit none), allocates a slot per new
     document (evicting LRU unpinned entries when full), runs ONE state pass for the batch,
-    then registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
+    waits for the GPU to finish it (a scorer reads the states from its own process), then
+    registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
     Idle (nothing queued), it captures one queued CUDA graph at a time (kev/passes.py; CUDA only).
 
 One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
@@ -227,6 +228,7 @@ class Acquirer:
         start = time.perf_counter()
         try:
             self.passes.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
+            self.passes.synchronize()  # the states are on the GPU before any scorer hears of them
         except Exception as e:
             log.exception("state pass failed")
             for job, handle in passes:

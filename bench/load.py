@@ -202,8 +202,9 @@ def scrape(url: str | None) -> dict[str, float] | None:
 
 def scorer_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
     """Over the window: row passes, rows and row tokens per pass, the scorer's hit ratio, the mean
-    wall time of a row pass and the share of the window the row worker spent in passes (near 1:
-    the row passes are the bottleneck), and row passes by CUDA-graph path."""
+    wall time of a row pass (launch to answers; two may overlap), the share of the window the row
+    worker was busy (near 1: the row worker is the bottleneck) and per phase (`row_worker_share`:
+    device_wait near 1 means the GPU is), and row passes by CUDA-graph path."""
     if before is None or after is None:
         return {}
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
@@ -211,13 +212,15 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
     hits = delta('kev_scorer_bank_lookups_total{result="hit"}')
     misses = delta('kev_scorer_bank_lookups_total{result="miss"}')
     pass_s = delta("kev_scorer_row_pass_seconds_sum")
+    phases = {p: delta(f'kev_scorer_row_worker_seconds_total{{phase="{p}"}}') for p in ("launch", "device_wait", "answers")}
     return {
         "row_passes": int(passes),
         "rows_per_pass": delta("kev_scorer_rows_per_pass_sum") / passes if passes else math.nan,
         "row_tokens_per_pass": delta("kev_scorer_tokens_per_pass_sum") / passes if passes else math.nan,
         "scorer_bank_hit_ratio": hits / (hits + misses) if hits + misses else math.nan,
         "row_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
-        "row_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
+        "row_worker_busy": sum(phases.values()) / window_s if window_s > 0 else math.nan,
+        "row_worker_share": {p: s / window_s if window_s > 0 else math.nan for p, s in phases.items()},
         "row_passes_by_path": {path: int(delta(f'kev_scorer_graph_passes_total{{path="{path}"}}'))
                                for path in ("replay", "eager_bucketed", "unbucketed")},
     }

@@ -72,6 +72,34 @@ def row_batch_for(prepared: Sequence[PreparedRequest], handles: Sequence[BankHan
 
 def answer_rows(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> list[dict]:
     """Answers per request from the row pass's picked hidden states ([decide, opt ends...] per row)."""
+    return start_answers(head, prepared, hidden).result()
+
+
+@dataclass(eq=False)
+class PendingAnswers:
+    """A pass's head output on its way to the host. `result()` waits for it (on CUDA, for the work
+    queued before it only: a later pass may already run) and builds the answers per request."""
+
+    prepared: Sequence[PreparedRequest]
+    questions: list
+    counts: list[int]
+    probs: torch.Tensor  # [O] fp32 on the host (pinned, filled by a copy behind `ready` on CUDA)
+    ready: torch.cuda.Event | None
+
+    def result(self) -> list[dict]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        flat = answers(self.questions, self.probs, self.counts)
+        out, k = [], 0
+        for req in self.prepared:
+            out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
+            k += len(req.rows)
+        return out
+
+
+def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> PendingAnswers:
+    """`answer_rows` in two steps: the head is queued on the device here and its output copied to
+    the host without waiting, so the scorer can launch its next pass before it reads this one."""
     questions, counts, decide_idx, opt_idx = [], [], [], []
     i = 0
     for req in prepared:
@@ -85,12 +113,13 @@ def answer_rows(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden:
     dev = hidden.device
     probs = head.probabilities(hidden[torch.tensor(decide_idx, device=dev)],
                                hidden[torch.tensor(opt_idx, device=dev)], counts)
-    flat = answers(questions, probs, counts)
-    out, k = [], 0
-    for req in prepared:
-        out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
-        k += len(req.rows)
-    return out
+    if dev.type != "cuda":
+        return PendingAnswers(prepared, questions, counts, probs, None)
+    host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
+    host.copy_(probs, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return PendingAnswers(prepared, questions, counts, host, ready)
 
 
 class Engine:

@@ -164,6 +164,13 @@ class ServedPasses:
             return self.graphed.state_and_row_pass(documents, handles, batch)
         return self.runner.state_and_row_pass(documents, handles, batch)
 
+    def synchronize(self) -> None:
+        """Returns once every pass launched so far is done on the device. Graph replays and kernels
+        return before the GPU has run them; the bank calls this before it tells anyone a new state is
+        there, because a scorer reads it from another process, on its own stream."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def state_bucketed(self, num_docs: int, max_len: int) -> bool | None:
         """Whether a state pass of `num_docs` new documents, the longest `max_len` tokens, runs in a
         CUDA-graph bucket (padded static shapes, a graph once captured); None: no graphs here."""

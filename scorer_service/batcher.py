@@ -5,9 +5,14 @@ rows; a request that does not fit gets `Exhausted`, except that an empty queue t
 so there is no limit on questions per request); ONE worker thread takes rows in arrival order
 until a pass holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row is
 always taken) or the oldest row has waited `max_wait_ms`, then hands the pass to the engine's
-shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/passes.py) -> `answer_rows`.
+shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/passes.py) -> `start_answers`.
 When the queue is empty and a CUDA graph waits to be captured, the worker captures one, then looks
 at the queue again: a capture never delays a row that was already waiting.
+
+Two passes in flight. A pass is launched (its rows packed, its graph replayed, its head queued and
+copied to the host) without waiting for the device; before the worker reads its answers it
+launches the next pass if rows for one are ready, so the GPU runs pass N+1 while the host turns
+pass N into answers and packs N+2. On CPU everything runs in the launch and nothing overlaps.
 
 A request's rows may be split over several passes (each pass sees a partial `PreparedRequest`
 holding its rows); rows never depend on what else shares their pass (batch-invariant kernels), so
@@ -26,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kev.engine import answer_rows, row_batch_for
+from kev.engine import PendingAnswers, row_batch_for, start_answers
 from kev.head import DecisionHead
 from kev.prompts import PreparedRequest
 from scorer_service.bank_link import BankLink, DocLease
@@ -51,6 +56,16 @@ class Job:
     def cancel(self) -> None:
         self.cancelled = True
         self.done.set()
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A pass on its way: its jobs' row indices and the answers still to be read."""
+
+    jobs: dict[Job, list[int]]
+    pending: PendingAnswers
+    start: float  # perf_counter at launch
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -100,8 +115,9 @@ class RowBatcher:
 
     # ------------------------------------------------------------------------------ worker
 
-    def _take(self) -> list[_Row] | None:
-        """The next pass's rows (None: stopped and drained)."""
+    def _take(self, wait: bool = True) -> list[_Row] | None:
+        """The next pass's rows (None: stopped and drained; [] with `wait`: time for one capture,
+        without `wait`: no pass is ready now)."""
         with self._cond:
             while True:
                 while self._queue and self._queue[0][1].job.done.is_set():
@@ -114,14 +130,18 @@ class RowBatcher:
                             break
                         rows, tokens = rows + 1, tokens + r.tokens
                     full = rows < len(self._queue) or rows >= self.max_rows or tokens >= self.max_tokens
-                    wait = oldest + self.max_wait_s - time.monotonic()
-                    if full or wait <= 0 or self._stopping:
+                    due = oldest + self.max_wait_s - time.monotonic()
+                    if full or due <= 0 or self._stopping:
                         batch = [self._queue.popleft()[1] for _ in range(rows)]
                         self.metrics.queue_depth.set(len(self._queue))
                         return batch
-                    self._cond.wait(wait)
+                    if not wait:
+                        return []
+                    self._cond.wait(due)
                 elif self._stopping:
                     return None
+                elif not wait:
+                    return []
                 elif self._idle_work():
                     return []  # nothing queued: time for one capture
                 else:
@@ -140,52 +160,81 @@ class RowBatcher:
             log.exception("idle CUDA-graph capture failed")
 
     def _run(self) -> None:
-        while (rows := self._take()) is not None:
-            if not rows:
+        inflight: _Launched | None = None  # launched, answers not read yet
+        while True:
+            rows = self._take(wait=inflight is None)
+            if rows is None:
+                break
+            if not rows and inflight is None:
                 self._capture_when_idle()
                 continue
-            live = [r for r in rows if not r.job.done.is_set()]
-            if live:
-                try:
-                    self._pass(live)
-                except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
-                    log.exception("row pass failed")
-                    for r in live:
-                        self._fail(r.job, e if isinstance(e, ServiceError) else ServiceError(f"row pass failed: {e}"))
+            launched = self._launch(rows) if rows else None
+            if inflight is not None:
+                self._finish(inflight)
+            inflight = launched
+        if inflight is not None:
+            self._finish(inflight)
 
-    def _pass(self, rows: list[_Row]) -> None:
-        current = self.link.current
-        jobs: dict[Job, list[int]] = {}
-        for r in rows:
-            jobs.setdefault(r.job, []).append(r.index)
-        for job in list(jobs):
-            err = None
-            if job.lease.attachment is not current:
-                err = StaleAttachment("the bank was re-attached since this document's handle was taken")
-            else:
-                try:
-                    current.bank.check(job.lease.handle)
-                except Exception as e:  # noqa: BLE001 - StaleHandle or the mapping's own error
-                    err = StaleAttachment(f"bank entry no longer live: {e}")
-            if err is not None:
-                self._fail(job, err)
-                del jobs[job]
-        if not jobs:
-            return
+    def _launch(self, rows: list[_Row]) -> _Launched | None:
+        """Checks the rows' handles, packs them and queues their pass and head (no device wait)."""
         start = time.perf_counter()
-        partial = [dataclasses.replace(job.prepared, rows=tuple(job.prepared.rows[i] for i in idx))
-                   for job, idx in jobs.items()]
-        handles = [job.lease.handle for job in jobs]
-        batch = row_batch_for(partial, handles, current.passes.device)
-        hidden = current.passes.row_pass(batch)
-        answers = answer_rows(self.head, partial, hidden)
-        seconds = time.perf_counter() - start
-        self.metrics.row_pass(sum(len(i) for i in jobs.values()), int(batch.tokens.numel()), seconds)
+        live = [r for r in rows if not r.job.done.is_set()]
+        jobs: dict[Job, list[int]] = {}
+        for r in live:
+            jobs.setdefault(r.job, []).append(r.index)
+        try:
+            current = self.link.current
+            for job in list(jobs):
+                err = None
+                if job.lease.attachment is not current:
+                    err = StaleAttachment("the bank was re-attached since this document's handle was taken")
+                else:
+                    try:
+                        current.bank.check(job.lease.handle)
+                    except Exception as e:  # noqa: BLE001 - StaleHandle or the mapping's own error
+                        err = StaleAttachment(f"bank entry no longer live: {e}")
+                if err is not None:
+                    self._fail(job, err)
+                    del jobs[job]
+            if not jobs:
+                return None
+            partial = [dataclasses.replace(job.prepared, rows=tuple(job.prepared.rows[i] for i in idx))
+                       for job, idx in jobs.items()]
+            batch = row_batch_for(partial, [job.lease.handle for job in jobs], current.passes.device)
+            pending = start_answers(self.head, partial, current.passes.row_pass(batch))
+        except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
+            self._fail_pass(jobs, e)
+            return None
+        self.metrics.row_pass_phase("launch", time.perf_counter() - start)
+        return _Launched(jobs, pending, start, int(batch.tokens.numel()))
+
+    def _finish(self, launched: _Launched) -> None:
+        """Waits for the pass's answers and hands them to its jobs."""
+        jobs = launched.jobs
+        try:
+            waited = time.perf_counter()
+            if launched.pending.ready is not None:
+                launched.pending.ready.synchronize()
+            answered = time.perf_counter()
+            answers = launched.pending.result()
+        except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
+            self._fail_pass(jobs, e)
+            return
+        end = time.perf_counter()
+        self.metrics.row_pass_phase("device_wait", answered - waited)
+        self.metrics.row_pass_phase("answers", end - answered)
+        seconds = end - launched.start
+        self.metrics.row_pass(sum(len(i) for i in jobs.values()), launched.tokens, seconds)
         for job, got in zip(jobs, answers, strict=True):
             job.answers.update(got)
             job.model_ms += seconds * 1000
             if len(job.answers) == len(job.prepared.rows):
                 job.done.set()
+
+    def _fail_pass(self, jobs: dict[Job, list[int]], e: BaseException) -> None:
+        log.error("row pass failed", exc_info=e)
+        for job in jobs:
+            self._fail(job, e if isinstance(e, ServiceError) else ServiceError(f"row pass failed: {e}"))
 
     @staticmethod
     def _fail(job: Job, err: BaseException) -> None:

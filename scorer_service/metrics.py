@@ -4,7 +4,11 @@
     kev_scorer_queue_depth                   gauge      rows waiting for a row pass (the autoscaler's signal)
     kev_scorer_rows_per_pass                 histogram  rows in each row pass
     kev_scorer_tokens_per_pass               histogram  row tokens in each row pass
-    kev_scorer_row_pass_seconds              histogram  wall time of each row pass (with the head)
+    kev_scorer_row_pass_seconds              histogram  wall time of each row pass, launch to answers (with the head;
+                                                        two passes may overlap: see scorer_service/batcher.py)
+    kev_scorer_row_worker_seconds_total{phase} counter  the row worker's time by phase: launch (pack the rows,
+                                                        replay, queue the head), device_wait (blocked on the GPU
+                                                        for a pass's answers), answers (host: answers to jobs)
     kev_scorer_bank_lookups_total{result}    counter    document handles: hit (state in the bank) / miss
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
@@ -46,6 +50,8 @@ class ScorerMetrics:
                                          buckets=_TOKEN_BUCKETS, registry=r)
         self.pass_seconds = Histogram("kev_scorer_row_pass_seconds", "Row pass wall time",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.worker_seconds = Counter("kev_scorer_row_worker_seconds", "Row worker time by phase", ["phase"],
+                                      registry=r)
         self.bank_lookups = Counter("kev_scorer_bank_lookups", "Document handles by result", ["result"],
                                     registry=r)
         self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",
@@ -71,6 +77,9 @@ class ScorerMetrics:
         self.rows_per_pass.observe(rows)
         self.tokens_per_pass.observe(tokens)
         self.pass_seconds.observe(seconds)
+
+    def row_pass_phase(self, phase: str, seconds: float) -> None:
+        self.worker_seconds.labels(phase=phase).inc(seconds)
 
     def watch_graphs(self, stats: Callable[[], object | None]) -> None:
         """Export the process's CUDA-graph counters (`kev.graphs.GraphStats`, read at scrape time;

@@ -392,3 +392,35 @@ def test_state_pass_batch_stays_on_the_graphs(lens, bucketed, taken):
     with acq._cv:
         batch = acq._take_batch()
     assert len(batch) == taken and len(acq._queue) == len(lens) - taken
+
+
+def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
+    """The worker waits for its state pass to finish on the GPU before it registers the entries and
+    answers the Acquires: a scorer reads them from its own process, on its own stream."""
+    from types import SimpleNamespace
+
+    from bank_service.acquire import Acquirer
+    from bank_service.jobs import Job, Waiter
+    from kev.directory import Lease
+
+    order = []
+    passes = SimpleNamespace(state_pass=lambda docs, handles: order.append("state_pass"),
+                             synchronize=lambda: order.append("synchronize"))
+    bank = SimpleNamespace(alloc=lambda n: BankHandle(len(order), 1))
+
+    def register(doc_key, slot, generation, length, pin_lease_s=None):
+        order.append("register")
+        return Lease(f"lease-{doc_key}", doc_key, slot, generation, length, 0) if pin_lease_s else None
+
+    directory = SimpleNamespace(model_id="m", epoch=lambda: "e", register=register)
+    counter = SimpleNamespace(inc=lambda n=1: None, observe=lambda s: None)
+    metrics = SimpleNamespace(state_pass_seconds=counter, state_passes=counter, state_pass_documents=counter,
+                              state_pass_tokens=counter)
+    acq = Acquirer(passes, bank, directory, metrics, lease_s=30, max_wait_s=0.0, max_pass_tokens=16384,
+                   max_pass_documents=64, epoch_check_s=1)
+    acq._epoch = "e"
+    waiters = [Waiter(30), Waiter(30)]
+    jobs = [Job(f"d{i}", [1] * 8, time.monotonic(), [w]) for i, w in enumerate(waiters)]
+    acq._process(jobs, reconcile=False)
+    assert order == ["state_pass", "synchronize", "register", "register"]
+    assert all(w.done.is_set() and w.result is not None for w in waiters)

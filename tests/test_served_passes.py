@@ -252,16 +252,24 @@ def wait_until(predicate, what: str, timeout: float = 10.0):
 
 @pytest.fixture
 def worker(monkeypatch):
-    """A RowBatcher whose passes are recorded (and held at `gate`) instead of run."""
+    """A RowBatcher whose passes are recorded (and held at `gate` at launch) instead of run;
+    `passes.order` records launches and answer reads in the order the worker made them."""
     passes = FakePasses()
+    passes.order = []
     gate, running = threading.Event(), threading.Event()
 
-    def fake_pass(self, rows):
+    def fake_launch(self, rows):
         passes.events.append(("pass", len(rows)))
+        passes.order.append(("launch", len(passes.order)))
         running.set()
         assert gate.wait(10)
+        return passes.order[-1][1]  # stands in for the launched pass
 
-    monkeypatch.setattr(RowBatcher, "_pass", fake_pass)
+    def fake_finish(self, launched):
+        passes.order.append(("finish", launched))
+
+    monkeypatch.setattr(RowBatcher, "_launch", fake_launch)
+    monkeypatch.setattr(RowBatcher, "_finish", fake_finish)
 
     def make(max_wait_ms):
         link = SimpleNamespace(current=SimpleNamespace(passes=passes))
@@ -303,6 +311,19 @@ def test_no_capture_while_a_row_waits_for_companions(worker):
     assert passes.events == [], "captured while a row was waiting"
     wait_until(lambda: passes.pending == 0, "the capture after the pass")
     assert passes.events == [("pass", 1), ("capture", 0)]
+
+
+def test_next_pass_is_launched_before_the_last_ones_answers_are_read(worker):
+    """Rows for two passes waiting: pass 2 goes to the GPU before the worker waits for pass 1's
+    answers; with nothing more ready, pass 2's answers are read next (no pass is left behind)."""
+    batcher, passes, gate, running = worker()
+    gate.set()
+    batcher.submit(prepared(4), lease=None)  # two full passes (2 rows each) at once
+    wait_until(lambda: len(passes.order) == 4, "two passes launched and read")
+    assert passes.order == [("launch", 0), ("launch", 1), ("finish", 0), ("finish", 1)]
+    batcher.submit(prepared(1), lease=None)  # alone: launched and read before anything else
+    wait_until(lambda: len(passes.order) == 6, "the third pass")
+    assert passes.order[4:] == [("launch", 4), ("finish", 4)]
 
 
 # ---- metrics ------------------------------------------------------------------------------------

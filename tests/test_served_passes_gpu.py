@@ -163,3 +163,31 @@ def test_bank_state_passes(served, no_autotune, lens):
     for a, b in zip(*results):
         assert torch.isfinite(a.float()).all()
         assert rel_err(b, a) <= 2e-2
+
+
+def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
+    """The scorer keeps two passes in flight (scorer_service/batcher.py): pass A's answers, read
+    after pass B replayed the same graph with other rows, equal A's answers read at once, bit for bit."""
+    from types import SimpleNamespace
+
+    from kev.api import Question
+    from kev.engine import answer_rows, start_answers
+    from kev.head import DecisionHead
+
+    d = served["cfg"].hidden_size
+    g = torch.Generator().manual_seed(5)
+    head = DecisionHead(w_q=(torch.randn(64, d, generator=g) * d**-0.5 * 4).cuda(),
+                        w_k=(torch.randn(64, d, generator=g) * d**-0.5 * 4).cuda(), b_q=None, b_k=None,
+                        temperature=1.0)
+    rows = tuple(SimpleNamespace(name=f"q{i}", question=Question.noul("x"), prompt=SimpleNamespace(option_end_indices=(0, 0)))
+                 for i in range(8))
+    prepared = [SimpleNamespace(rows=rows)]  # 8 noul rows: <decide> and two option ends each
+    passes = served["passes"]
+    a, b = row_batch(served, 8, 32, 3, seed=21), row_batch(served, 8, 32, 3, seed=22)
+    want = answer_rows(head, prepared, passes.row_pass(a))
+    pending = start_answers(head, prepared, passes.row_pass(a))
+    assert pending.ready is not None  # on its way, not read yet
+    passes.row_pass(b)  # the same 8 x 32 graph, new rows, queued before A's answers are read
+    got = pending.result()
+    assert got == want
+    assert got != answer_rows(head, prepared, passes.row_pass(b))
