@@ -28,6 +28,7 @@ from kev.ops import Ops, get_ops
 from kev.passes import GraphPlan, PassBuilder, PassRole
 from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
 from kev.runner import RowBatch
+from kev.transfer import to_device, to_host_later
 
 
 @dataclass(frozen=True)
@@ -110,13 +111,11 @@ def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidde
             decide_idx.append(i)
             opt_idx.extend(range(i + 1, i + 1 + n))
             i += 1 + n
-    dev = hidden.device
-    probs = head.probabilities(hidden[torch.tensor(decide_idx, device=dev)],
-                               hidden[torch.tensor(opt_idx, device=dev)], counts)
-    if dev.type != "cuda":
-        return PendingAnswers(prepared, questions, counts, probs, None)
-    host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
-    host.copy_(probs, non_blocking=True)
+    index = to_device(torch.tensor(decide_idx + opt_idx, dtype=torch.int64), hidden.device)
+    probs = head.probabilities(hidden[index[: len(decide_idx)]], hidden[index[len(decide_idx) :]], counts)
+    host = to_host_later(probs)
+    if hidden.device.type != "cuda":
+        return PendingAnswers(prepared, questions, counts, host, None)
     ready = torch.cuda.Event()
     ready.record()
     return PendingAnswers(prepared, questions, counts, host, ready)

@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 from kev.api import Answer, ChoiceAnswer, NoulAnswer, Question, QuestionType, ScoreAnswer
 from kev.config import CheckpointError
 from kev.invariant import tiled_linear
+from kev.transfer import to_device
 
 HEAD_FORMAT = "kev-decision-head"
 HEAD_VERSION = "1"
@@ -134,7 +135,8 @@ class DecisionHead:
         seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # [O]
         first = torch.cumsum(counts, 0) - counts  # flat index of each question's first option
         col = torch.arange(h_opts.shape[0]) - first[seg]  # [O]
-        return seg.to(h_opts.device), col.to(h_opts.device)
+        both = to_device(torch.stack([seg, col]), h_opts.device)  # no wait for the GPU (kev/transfer.py)
+        return both[0], both[1]
 
 
 def answer(question: Question, probs: Sequence[float] | torch.Tensor) -> Answer:

@@ -21,6 +21,7 @@ from kev.model import Qwen35Model
 from kev.ops import Ops, PassMeta
 from kev.ops.autotune import ClassTuner, ShapeClass, classify
 from kev.ops.meta import PhasedMeta, host_positions
+from kev.transfer import to_device
 
 # Safety factor of `state_pass_peak_bytes` over its itemised estimate: kernel temporaries not listed,
 # allocation rounding, tensors freed a little later than the listing assumes.
@@ -88,11 +89,11 @@ class RowBatch:
             cu.append(cu[-1] + n)
         picks = [cu[i] + p for i, ps in enumerate(picks_per_row) for p in ps]
         flat = [t for r in rows for t in r]
-        as_long = dict(dtype=torch.int64, device=device)
-        return cls(torch.tensor(flat, **as_long), torch.tensor(cu, **as_long),
-                   torch.tensor([h.slot for h in handles], **as_long), torch.tensor(list(doc_lens), **as_long),
-                   torch.tensor(picks, **as_long), torch.tensor(host_positions(lens, list(doc_lens)), **as_long),
-                   tuple(lens))
+        parts = (flat, cu, [h.slot for h in handles], list(doc_lens), picks, host_positions(lens, list(doc_lens)))
+        # One host block, one copy that does not wait for the GPU (kev/transfer.py); the fields are views.
+        block = to_device(torch.tensor([v for part in parts for v in part], dtype=torch.int64), device)
+        tokens, cu_seqlens, slots, lens_t, picks_t, positions = block.split([len(p) for p in parts])
+        return cls(tokens, cu_seqlens, slots, lens_t, picks_t, positions, tuple(lens))
 
 
 class Runner:

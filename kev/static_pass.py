@@ -35,6 +35,7 @@ import torch
 
 from kev.ops.autotune import ShapeClass, classify
 from kev.ops.meta import PassMeta
+from kev.transfer import to_device
 
 CHUNK = 64  # the conv / delta-rule chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
 
@@ -156,7 +157,7 @@ class StaticPass:
             if n < len(documents):
                 write[2 * n] = slots[n]
         host = torch.tensor(tokens + positions + cu + write, dtype=torch.int64)
-        dev = host.to(self.tokens.device)
+        dev = to_device(host, self.tokens.device)
         self.tokens.copy_(dev[:T])
         self.positions.copy_(dev[T : 2 * T])
         self.cu_seqlens.copy_(dev[2 * T : 2 * T + N + 1])

@@ -166,8 +166,9 @@ def test_bank_state_passes(served, no_autotune, lens):
 
 
 def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
-    """The scorer keeps two passes in flight (scorer_service/batcher.py): pass A's answers, read
-    after pass B replayed the same graph with other rows, equal A's answers read at once, bit for bit."""
+    """The scorer keeps two passes in flight (scorer_service/batcher.py): packing pass A, replaying
+    it, queueing its head and then pass B never waits for the GPU; A's answers, read after B replayed
+    the same graph with other rows, equal A's answers read at once, bit for bit."""
     from types import SimpleNamespace
 
     from kev.api import Question
@@ -185,9 +186,14 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
     passes = served["passes"]
     a, b = row_batch(served, 8, 32, 3, seed=21), row_batch(served, 8, 32, 3, seed=22)
     want = answer_rows(head, prepared, passes.row_pass(a))
-    pending = start_answers(head, prepared, passes.row_pass(a))
+    batch_a = lambda: row_batch(served, 8, 32, 3, seed=21)  # noqa: E731 - packed again, inside the check
+    torch.cuda.set_sync_debug_mode("error")  # launching a pass must never wait for the GPU
+    try:
+        pending = start_answers(head, prepared, passes.row_pass(batch_a()))
+        passes.row_pass(b)  # the same 8 x 32 graph, new rows, queued before A's answers are read
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert pending.ready is not None  # on its way, not read yet
-    passes.row_pass(b)  # the same 8 x 32 graph, new rows, queued before A's answers are read
     got = pending.result()
     assert got == want
     assert got != answer_rows(head, prepared, passes.row_pass(b))

@@ -1,0 +1,30 @@
+"""Copies between host and GPU that never make the host wait for work already queued.
+
+A plain `tensor.to("cuda")` from ordinary (pageable) host memory synchronizes the stream: the host
+waits until every kernel queued before it has run. The scorer keeps its next row pass queued behind
+the running one (scorer_service/batcher.py), so each such copy while packing a pass would stall the
+host for a whole pass. Through pinned memory the copies are queued like kernels; PyTorch's caching
+host allocator keeps a pinned block until the copy that reads or writes it has run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`; to CUDA without waiting for the GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host_later(values: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that will hold `values` once the GPU reaches this point of its stream
+    (wait on an event recorded after this call before reading it); CPU tensors are returned as is."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
