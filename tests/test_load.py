@@ -304,7 +304,7 @@ def test_load_compare_passes_the_warm_classes(monkeypatch):
     for warm, scorer, bank in (("auto", ROW_CLASSES, ROW_CLASSES), ("default", None, None)):
         args = defaults("six-short", warm, **run)
         with pytest.raises(Stopped):
-            load_compare.start_stack(Path("/ckpt"), args, with_gathered=True)
+            load_compare.start_stack(Path("/ckpt"), args)
         # scorer_env: every scorer of the stack, the gathered one too (Stack.add_scorer)
         assert made[-1]["scorer_env"].get("KEV_WARM_CLASSES") == scorer
         assert made[-1]["bank_env"].get("KEV_WARM_CLASSES") == bank
