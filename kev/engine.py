@@ -46,8 +46,9 @@ class LoadedModel:
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
         ckpt = load_checkpoint(checkpoint_dir, adapter_dir, dtype=dtype, device=device,
                                require_head=True, require_tokenizer=True)
-        model = Qwen35Model(ckpt.config)
-        model.load_state_dict(ckpt.weights, strict=True, assign=True)
+        with torch.device("meta"):  # no random init to throw away: ~20-80 s of CPU for Kev-4B
+            model = Qwen35Model(ckpt.config)
+        model.load_state_dict(ckpt.weights, strict=True, assign=True)  # every parameter is a loaded tensor
         model = model.to(device).eval()
         if device == "cpu":
             model.set_batch_invariant()  # CPU promise: answers bit-identical whatever shares a pass

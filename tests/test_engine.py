@@ -59,3 +59,21 @@ def test_probabilities_are_distributions(engine):
     assert abs(sum(ans["pick"].probabilities.values()) - 1) < 1e-6
     assert abs(sum(ans["level"].probabilities) - 1) < 1e-6
     assert 0.0 <= ans["level"].score <= 2.0
+
+
+def test_loaded_model_is_the_checkpoint_exactly(engine, tmp_path):
+    """The model is built without an init of its own (meta device) and takes the checkpoint's
+    tensors: nothing is left on the meta device and every parameter equals the file's."""
+    import torch
+
+    from kev.checkpoint import read_config, read_weights
+    from kev.engine import LoadedModel
+
+    path = make_tiny_checkpoint(tmp_path / "ckpt")
+    loaded = LoadedModel.load(path)
+    want = read_weights(path, read_config(path))
+    got = dict(loaded.model.named_parameters())
+    assert not [n for n, p in got.items() if p.is_meta]
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
