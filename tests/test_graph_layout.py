@@ -115,12 +115,13 @@ def test_bucket_keys():
     b = Buckets()
     assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 8)
     assert b.row_key(5, 33, 40) == GraphKey(PassKind.ROWS, 6, 48, 64)
-    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 128, 32, 128)
+    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 112, 32, 128)
     assert b.row_key(129, 32, 1) is None and b.row_key(4, 129, 1) is None and b.row_key(4, 8, 2000) is None
-    assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 64)
+    assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 48) and b.state_key(1, 49) == GraphKey(PassKind.STATE, 1, 64)
+    assert b.row_key(75, 32, 270) == GraphKey(PassKind.ROWS, 80, 32, 512)  # a busy pass: 80, not 96
     assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2304)
     assert b.state_key(5, 64) == GraphKey(PassKind.STATE, 6, 64) and b.state_key(1, 4097) is None
-    assert b.state_key(64, 48) == GraphKey(PassKind.STATE, 64, 64) and b.state_key(65, 48) is None
+    assert b.state_key(64, 48) == GraphKey(PassKind.STATE, 64, 48) and b.state_key(65, 48) is None
     # a bucket exists only while D x L <= max_state_tokens (16,384)
     assert b.state_key(6, 2200) == GraphKey(PassKind.STATE, 6, 2304) and b.state_key(7, 2200) is None
     assert b.state_key(64, 256) == GraphKey(PassKind.STATE, 64, 256) and b.state_key(33, 257) is None
