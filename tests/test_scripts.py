@@ -10,7 +10,7 @@ SCRIPTS = sorted(p.relative_to(ROOT) for p in ROOT.glob("*/*.sh") if ".venv" not
 
 
 def test_the_scripts_are_found():
-    assert Path("bench/gpu_check.sh") in SCRIPTS and Path("bench/device_carry.sh") in SCRIPTS
+    assert {Path("bench/gpu_check.sh"), Path("bench/device_carry.sh"), Path("bench/load_check.sh")} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=str)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 7's load comparison in one device call: the carried wheels installed, redis-server on PATH,
+# GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
+# that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
+# keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
+# completes), load_compare.log, gpu_util.csv.
+#
+# On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
+# (bench/device_carry.sh builds them):
+#     KEV_COMMIT=<sha> bash bench/load_check.sh six-short [LIMIT_S] [more load_compare flags...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the device output folder}"
+workloads=${1:-six-short}
+limit=${2:-560}
+shift $(( $# < 2 ? $# : 2 ))
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl .whl_load/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
+sampler=$!
+timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workloads" --sweep 1,8,32,64 \
+    --duration 5 --warmup-s 2 --out-dir "$OUT" "$@" > "$OUT/load_compare.log" 2>&1
+rc=$?
+kill "$sampler" 2>/dev/null
+echo "load_compare: rc $rc after ${SECONDS} s"
+grep -E '^(==|   )|x(1|8|32|64)\] +[5-9]\.[0-9] s|req/s p99|errors' "$OUT/load_compare.log" | tail -40
