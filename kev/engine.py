@@ -88,9 +88,13 @@ class PendingAnswers:
     probs: torch.Tensor  # [O] fp32 on the host (pinned, filled by a copy behind `ready` on CUDA)
     ready: torch.cuda.Event | None
 
-    def result(self) -> list[dict]:
+    def wait(self) -> None:
+        """Until the probabilities are on the host (no-op on CPU)."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def result(self) -> list[dict]:
+        self.wait()
         flat = answers(self.questions, self.probs, self.counts)
         out, k = [], 0
         for req in self.prepared:
@@ -115,10 +119,10 @@ def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidde
     index = to_device(torch.tensor(decide_idx + opt_idx, dtype=torch.int64), hidden.device)
     probs = head.probabilities(hidden[index[: len(decide_idx)]], hidden[index[len(decide_idx) :]], counts)
     host = to_host_later(probs)
-    if hidden.device.type != "cuda":
-        return PendingAnswers(prepared, questions, counts, host, None)
-    ready = torch.cuda.Event()
-    ready.record()
+    ready = None
+    if hidden.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()  # after the copy: waiting on it waits for this pass only
     return PendingAnswers(prepared, questions, counts, host, ready)
 
 

@@ -213,8 +213,7 @@ class RowBatcher:
         jobs = launched.jobs
         try:
             waited = time.perf_counter()
-            if launched.pending.ready is not None:
-                launched.pending.ready.synchronize()
+            launched.pending.wait()
             answered = time.perf_counter()
             answers = launched.pending.result()
         except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
