@@ -39,6 +39,7 @@ from kev.ops import Ops
 from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
 from kev.ops.warm_up import warm_up
 from kev.runner import RowBatch, Runner
+from kev.static_pass import PICKS_PER_ROW
 
 if TYPE_CHECKING:
     from kev.graphs import Buckets, GraphedPasses, GraphStats
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PICKS_PER_ROW = 5  # picks capacity of a start-up row bucket given as RxL: <decide> and four </opt>
 DEFAULT_ROW_BUCKETS = ",".join([f"{r}x{n}" for n in (32, 64) for r in (1, 2, 4, 8, 16, 32, 64, 96)])  # 16 graphs
 # 13 graphs: 1..64 short documents of up to 48 tokens (six-short's; powers of two, the rest are captured
 # when idle), 1..6 documents of 2,304 (five-long's 2,200; 6 x 2,304 is the largest under 16,384 tokens), two between.

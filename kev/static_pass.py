@@ -59,6 +59,11 @@ class SweepKey:
         return self.state.shape_class
 
 
+# The picks capacity every row bucket holds at least, a row: <decide> and four </opt>
+# (`Buckets.row_key`; a start-up bucket written RxL).
+PICKS_PER_ROW = 5
+
+
 @dataclass(frozen=True)
 class GraphKey:
     kind: PassKind

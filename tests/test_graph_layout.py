@@ -18,6 +18,7 @@ from kev.ops import get_ops
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
+from kev.passes import parse_row_buckets
 from kev.runner import RowBatch, Runner
 from kev.ops.autotune import ShapeClass
 from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, static_chunks
@@ -113,12 +114,15 @@ def test_static_chunks_agree_with_fla(seqs, seq_len):
 
 def test_bucket_keys():
     b = Buckets()
-    assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 8)
+    assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 32)  # picks capacity 5 a row at least
     assert b.row_key(5, 33, 40) == GraphKey(PassKind.ROWS, 6, 48, 64)
-    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 112, 32, 128)
+    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 112, 32, 1024)
     assert b.row_key(129, 32, 1) is None and b.row_key(4, 129, 1) is None and b.row_key(4, 8, 2000) is None
     assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 48) and b.state_key(1, 49) == GraphKey(PassKind.STATE, 1, 64)
     assert b.row_key(75, 32, 270) == GraphKey(PassKind.ROWS, 80, 32, 512)  # a busy pass: 80, not 96
+    # rows of 3 picks and rows of 5 share the graph a start-up 'RxL' bucket captured
+    (R, L, P), = parse_row_buckets("32x32")
+    assert b.row_key(25, 32, 75) == b.row_key(32, 32, 160) == b.row_key(R, L, P) == GraphKey(PassKind.ROWS, 32, 32, 256)
     assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2304)
     assert b.state_key(5, 64) == GraphKey(PassKind.STATE, 6, 64) and b.state_key(1, 4097) is None
     assert b.state_key(64, 48) == GraphKey(PassKind.STATE, 64, 48) and b.state_key(65, 48) is None
@@ -166,7 +170,7 @@ def test_when_idle_policy_queues_then_captures(model, fake_capture):
     first = graphed.row_pass(batch)  # eager (bucketed), not queued yet
     assert graphed.pending == [] and graphed.stats.eager_bucketed == 1
     second = graphed.row_pass(batch)  # second use: queued, still eager: a busy server never captures
-    key = GraphKey(PassKind.ROWS, 4, 32, 8)
+    key = GraphKey(PassKind.ROWS, 4, 32, 32)
     assert graphed.pending == [key] and graphed.graphs() == [] and torch.equal(first, second)
     assert graphed.capture_pending() == 1 and graphed.graphs() == [key] and graphed.pending == []
     third = graphed.row_pass(row_batch(docs, handles, lens=(12, 30, 5)))
@@ -181,7 +185,7 @@ def test_first_use_policy_lru_and_fallbacks(model, fake_capture):
         b = row_batch(docs, handles, lens=lens)
         assert rel_err(runner.row_pass(b), graphed.row_pass(b)) <= 1e-5
     assert graphed.stats.captures == 3 and graphed.stats.evictions == 1
-    assert graphed.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 4, 48, 8)]
+    assert graphed.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 4, 48, 32)]
     too_long = row_batch(docs, handles, lens=(200,))
     assert torch.equal(graphed.row_pass(too_long), runner.row_pass(too_long)) and graphed.stats.unbucketed == 1
     no_lens = RowBatch(*[getattr(too_long, f) for f in ("tokens", "cu_seqlens", "slots", "doc_lens", "picks",
@@ -242,7 +246,7 @@ def test_graphed_sweep_matches_the_runner(model, fake_capture):
             for h in handles:
                 bank.free(h)
         if graphed:
-            assert passes.graphs() == [SweepKey(GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 8))]
+            assert passes.graphs() == [SweepKey(GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 32))]
             assert passes.stats.captures == 1 and passes.stats.replays == 2 and passes.stats.unbucketed == 0
         results.append(out)
     for (h1, bank1), (h2, bank2) in zip(*results):
@@ -257,7 +261,7 @@ def test_sweep_without_its_graph_replays_the_two_graphs(model, fake_capture):
     bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
     runner = Runner(model, bank, CpuTritonOps())
     passes = GraphedPasses(runner, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
-    state, rows = GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 8)
+    state, rows = GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 32)
     passes.capture([state, rows])
     outs = []
     for rep in range(3):

@@ -268,8 +268,9 @@ def test_capture_after_warm_up_never_autotunes(setup, monkeypatch):
 
     monkeypatch.setattr(Autotuner, "_bench", no_bench)
     graphed = GraphedPasses(setup["runner"], policy=CapturePolicy.WARMUP_ONLY)
-    keys = [GraphKey(PassKind.ROWS, 6, 32, 16), GraphKey(PassKind.ROWS, 24, 48, 64),
-            GraphKey(PassKind.ROWS, 96, 64, 128), GraphKey(PassKind.STATE, 1, 2304)]
+    buckets = Buckets()
+    keys = [buckets.row_key(6, 32, 1), buckets.row_key(24, 48, 1), buckets.row_key(96, 64, 1),
+            GraphKey(PassKind.STATE, 1, 2304)]
     graphed.capture(keys)
     assert graphed.graphs() == keys
     assert {cls: [len(c) for c in tuner.caches(cls).values()] for cls in WARM} == sizes
