@@ -173,18 +173,35 @@ class BaselineScorer:
         return rows * width
 
     @torch.inference_mode()
-    def warm(self, widths: list[int], max_rows: int, max_batch_tokens: int) -> list[tuple[int, int]]:
+    def warm(self, widths: list[int], max_rows: int, max_batch_tokens: int) -> tuple[list[tuple[int, int]], int]:
         """One forward of every padded shape (rows bucket <= the bucket of `max_rows`, width rounded
-        up) that `max_batch_tokens` admits; returns the shapes run."""
+        up) that `max_batch_tokens` admits. A shape that runs out of GPU memory (beside an idle
+        stack holding its bank) ends its width's shapes and caps the batch size. Returns the shapes
+        run and the padded tokens a forward may hold: `max_batch_tokens`, or below the smallest
+        shape that ran out of memory, the largest that ran."""
         top = padded_rows(max_rows)
         shapes = [(r, -(-w // self.length_multiple) * self.length_multiple)
                   for w in sorted(set(widths)) for r in PAD_ROWS if r <= top]
         shapes = [(r, w) for r, w in dict.fromkeys(shapes) if r == 1 or r * w <= max_batch_tokens]
+        ran, failed = [], []
         for r, w in shapes:
-            self.model(input_ids=torch.zeros(r, w, dtype=torch.long, device=self.device), use_cache=False)
+            if any(fw == w for _, fw in failed):
+                continue
+            try:
+                self.model(input_ids=torch.zeros(r, w, dtype=torch.long, device=self.device), use_cache=False)
+                ran.append((r, w))
+            except torch.OutOfMemoryError:
+                failed.append((r, w))
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return shapes
+        if failed:
+            limit = min(r * w for r, w in failed)
+            max_batch_tokens = max((r * w for r, w in ran if r * w < limit), default=0)
+            log.warning("out of GPU memory warming %s: forwards capped at %d padded tokens",
+                        ", ".join(f"{r}x{w}" for r, w in failed), max_batch_tokens)
+        return ran, max_batch_tokens
 
 
 class BaselineBatcher:
@@ -344,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = [int(w) for w in args.warm_widths.split(",") if w.strip()]
     if widths and args.warm_rows:
         t0 = time.perf_counter()
-        shapes = scorer.warm(widths, args.warm_rows, args.max_batch_tokens)
+        shapes, args.max_batch_tokens = scorer.warm(widths, args.warm_rows, args.max_batch_tokens)
         log.info("warmed %d padded shapes (rows x width) in %.1f s: %s", len(shapes), time.perf_counter() - t0,
                  ", ".join(f"{r}x{w}" for r, w in shapes))
     batcher = BaselineBatcher(scorer, args.max_requests, args.max_batch_tokens)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health
 
 from kev import api
@@ -205,6 +206,26 @@ def test_baseline_pads_to_few_shapes():
     assert [padded_rows(n) for n in (1, 3, 5, 17, 25, 49, 300, 384, 513, 700)] == \
         [1, 4, 8, 24, 32, 64, 384, 384, 640, 768]
     assert all(b / a <= 2 for a, b in zip(PAD_ROWS, PAD_ROWS[1:]))
+
+
+def test_baseline_warm_up_caps_forwards_that_run_out_of_memory():
+    """Beside an idle stack the baseline's widest warm-up forwards may not fit: each width stops at
+    its first shape out of memory and forwards are capped below the smallest such shape."""
+    scorer = BaselineScorer.__new__(BaselineScorer)  # only the model call is under test, not loading
+    scorer.device, scorer.length_multiple = torch.device("cpu"), 16
+    seen = []
+
+    def model(input_ids, use_cache):
+        seen.append(tuple(input_ids.shape))
+        if input_ids.numel() > 40_000:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    scorer.model = model
+    ran, cap = scorer.warm([80, 2232], max_rows=64, max_batch_tokens=786432)
+    assert ran == [(r, 80) for r in (1, 2, 4, 8, 16, 24, 32, 48, 64)] + [(r, 2240) for r in (1, 2, 4, 8, 16)]
+    assert (24, 2240) in seen and (32, 2240) not in seen  # the width's larger shapes are not tried
+    assert cap == 16 * 2240
+    assert scorer.warm([80], max_rows=8, max_batch_tokens=786432) == ([(r, 80) for r in (1, 2, 4, 8)], 786432)
 
 
 def test_start_up_plans_follow_the_workloads():
