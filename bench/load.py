@@ -4,7 +4,9 @@ Each client is a thread that sends the next request of the workload (bench/load_
 pre-serialized bytes, the affinity header set) as soon as its previous one is answered: a closed
 loop, so the offered load is the client count. Measured per run, after an optional warm-up:
 
-- requests/s: requests answered in the window / (last answer - window start)
+- requests/s: requests answered in the window / its length (with a request count: those sent in
+  it / (last answer - window start)); the window opens after the warm-up, once every client has
+  had a reply
 - latency p50/p90/p99/mean/max: the RPC alone, client side (request building excluded)
 - errors by gRPC status (any non-OK; an OK reply missing an answer counts as `MISSING_ANSWER`),
   and the first error message of each status (`error_messages`), both in the progress line too
@@ -68,11 +70,16 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
              metrics_url: str | None = None, bank_metrics_url: str | None = None, label: str = "") -> dict:
     """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
 
-    The window ends after `duration_s` or once `max_requests` were sent, whichever comes first
-    (in-flight requests are awaited and counted). Shutdown order: the clients stop claiming, are
-    joined, and only then are the channels closed; an interrupt (Ctrl-C, or SIGTERM turned into
-    SystemExit by bench/load_compare.py) sets the stop flag and closes the channels at once, which
-    cancels in-flight calls, and a client that finds its channel closed then just leaves."""
+    The window opens once `warmup_s` has passed AND every client has had a reply (the pipeline is
+    full: a five-long x 64 run's first replies take 2.5 s, and a window opened before them measured
+    the fill). With `duration_s` alone it lasts that long and counts the requests answered inside
+    it (requests/s = those / `duration_s`; the scrapes are taken at its two ends). With
+    `max_requests` it holds the first that many requests sent in it, each awaited (requests/s =
+    those / (last answer - window start)); with both, whichever ends first (counted as with
+    `max_requests`). Shutdown order: the clients stop claiming, are joined, and only then are the
+    channels closed; an interrupt (Ctrl-C, or SIGTERM turned into SystemExit by
+    bench/load_compare.py) sets the stop flag and closes the channels at once, which cancels
+    in-flight calls, and a client that finds its channel closed then just leaves."""
     if duration_s is None and max_requests is None:
         raise ValueError("give a duration or a request count")
     channels = [grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20),
@@ -83,16 +90,15 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     sent = [0]
-    window_start = time.perf_counter() + warmup_s
-    window_end = None if duration_s is None else window_start + duration_s
+    window = Window(time.perf_counter() + warmup_s, clients)
     stop = threading.Event()
 
     def claim() -> bool:
         """Whether this client may send another request (the request limit counts window sends)."""
         now = time.perf_counter()
-        if stop.is_set() or (window_end is not None and now >= window_end):
+        if stop.is_set() or (window.end is not None and now >= window.end):
             return False
-        if max_requests is None or now < window_start:
+        if max_requests is None or window.start is None:
             return True
         with lock:
             sent[0] += 1
@@ -117,20 +123,25 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
                     return
                 raise
             latency = time.perf_counter() - start
-            if start >= window_start and not stop.is_set():
+            window.replied(i)
+            if not stop.is_set():
                 with lock:
                     outcomes.append(Outcome(start, latency, code, message, cached, item.doc_tokens, item.questions))
 
     threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
-    progress = Progress(label or f"{stream.workload.name} x{clients}", outcomes, lock, window_start)
+    progress = Progress(label or f"{stream.workload.name} x{clients}", outcomes, lock, window)
     progress.start()
-    before = None
+    timed = max_requests is None  # a duration alone: answers inside the window count
     try:
-        if warmup_s > 0:
-            time.sleep(max(0.0, window_start - time.perf_counter()))
+        window.wait_full(threads)
+        time.sleep(max(0.0, window.not_before - time.perf_counter()))
+        window.open(duration_s if timed else None, limit_s=duration_s)
         before, bank_before = scrape(metrics_url), scrape(bank_metrics_url)
+        if timed:
+            time.sleep(max(0.0, window.end - time.perf_counter()))
+            after, bank_after = scrape(metrics_url), scrape(bank_metrics_url)
         for t in threads:
             t.join()
     except BaseException:  # KeyboardInterrupt, or SystemExit from a SIGTERM handler
@@ -144,13 +155,52 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
         progress.stop()
     for ch in channels:  # every client has returned: nothing can call a closed channel
         ch.close()
-    after, bank_after = scrape(metrics_url), scrape(bank_metrics_url)
-    result = summarize(outcomes, window_start)
+    if not timed:
+        after, bank_after = scrape(metrics_url), scrape(bank_metrics_url)
+    result = summarize(outcomes, window.start, window.end if timed else None)
     result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
+                  window_opened_after_s=round(window.start - (window.not_before - warmup_s), 3),
                   duration_limit_s=duration_s, request_limit=max_requests,
                   **scorer_figures(before, after, result["elapsed_s"]),
                   **bank_figures(bank_before, bank_after, result["elapsed_s"]))
     return result
+
+
+class Window:
+    """The measurement window of a run: it opens after `not_before` once every client has had a
+    reply (`replied`), and closes `duration` later (None: when the clients stop)."""
+
+    def __init__(self, not_before: float, clients: int):
+        self.not_before, self.start, self.end = not_before, None, None
+        self._waiting = set(range(clients))
+        self._full = threading.Event()
+        self._lock = threading.Lock()
+        if not self._waiting:
+            self._full.set()
+
+    def replied(self, client: int) -> None:
+        if self._waiting:
+            with self._lock:
+                self._waiting.discard(client)
+                if not self._waiting:
+                    self._full.set()
+
+    def wait_full(self, threads: list[threading.Thread]) -> None:
+        """Until every client has had a reply, or no client is left running (one died)."""
+        while not self._full.wait(0.1) and any(t.is_alive() for t in threads):
+            pass
+
+    @property
+    def answered(self) -> int:
+        """Clients that have had a reply (while warming up)."""
+        return -1 if self._full.is_set() else len(self._waiting)
+
+    def open(self, duration_s: float | None, limit_s: float | None = None) -> None:
+        """Opens now; it ends `duration_s` later, or (a request count) `limit_s` later at most."""
+        now = time.perf_counter()
+        span = duration_s if duration_s is not None else limit_s
+        self.end = None if span is None else now + span
+        self.start = now
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -160,7 +210,16 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
 
 
-def summarize(outcomes: list[Outcome], window_start: float) -> dict:
+def summarize(outcomes: list[Outcome], window_start: float, window_end: float | None = None) -> dict:
+    """The run's figures from the requests the window holds: with `window_end`, those answered
+    in [window_start, window_end), per second of the window; without, those sent from
+    `window_start` on, per second until the last answer."""
+    if window_end is None:
+        outcomes = [o for o in outcomes if o.start >= window_start]
+        elapsed = max((o.start + o.latency_s for o in outcomes), default=window_start) - window_start
+    else:
+        outcomes = [o for o in outcomes if window_start <= o.start + o.latency_s < window_end]
+        elapsed = window_end - window_start
     ok = [o for o in outcomes if o.code == "OK"]
     errors = Counter(o.code for o in outcomes if o.code != "OK")
     messages: dict[str, str] = {}
@@ -168,7 +227,6 @@ def summarize(outcomes: list[Outcome], window_start: float) -> dict:
         if o.code != "OK":
             messages.setdefault(o.code, o.message)
     lat = sorted(o.latency_s * 1e3 for o in ok)
-    elapsed = max((o.start + o.latency_s for o in outcomes), default=window_start) - window_start
     nan_if_empty = lambda xs, f: f(xs) if xs else math.nan  # noqa: E731
     return {
         "requests": len(outcomes), "ok": len(ok), "errors": dict(errors), "error_count": sum(errors.values()),
@@ -252,8 +310,8 @@ def bank_figures(before: dict | None, after: dict | None, window_s: float = math
 class Progress:
     """One status line on stderr, rewritten twice a second (a plain line every 5 s off a terminal)."""
 
-    def __init__(self, label: str, outcomes: list[Outcome], lock: threading.Lock, window_start: float):
-        self.label, self.outcomes, self.lock, self.window_start = label, outcomes, lock, window_start
+    def __init__(self, label: str, outcomes: list[Outcome], lock: threading.Lock, window: Window):
+        self.label, self.outcomes, self.lock, self.window = label, outcomes, lock, window
         self.tty = sys.stderr.isatty()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="load-progress", daemon=True)
@@ -268,15 +326,17 @@ class Progress:
         sys.stderr.flush()
 
     def line(self) -> str:
-        now = time.perf_counter()
-        if now < self.window_start:
-            return f"[{self.label}] warming up, {self.window_start - now:4.1f} s left"
+        now, start = time.perf_counter(), self.window.start
+        if start is None:
+            left = self.window.answered
+            return (f"[{self.label}] warming up, {max(0.0, self.window.not_before - now):4.1f} s left"
+                    + (f", {left} clients without a reply yet" if left > 0 else ""))
         with self.lock:
-            done = list(self.outcomes)
+            done = [o for o in self.outcomes if start <= o.start + o.latency_s < (self.window.end or math.inf)]
         ok = sorted(o.latency_s * 1e3 for o in done if o.code == "OK")
         err = len(done) - len(ok)
-        rate = len(ok) / max(now - self.window_start, 1e-9)
-        line = (f"[{self.label}] {now - self.window_start:6.1f} s  {len(ok):7d} ok  {err:4d} err  "
+        rate = len(ok) / max(min(now, self.window.end or now) - start, 1e-9)
+        line = (f"[{self.label}] {now - start:6.1f} s  {len(ok):7d} ok  {err:4d} err  "
                 f"{rate:8.1f} req/s  p50 {percentile(ok, 0.5):8.1f} ms  p99 {percentile(ok, 0.99):8.1f} ms")
         return line + (f"  errors {error_summary(done)}" if err else "")
 
@@ -359,7 +419,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", type=parse_counts, default=None, help="client counts run in turn, e.g. 1,8,32,64")
     p.add_argument("--duration", type=float, default=20.0, help="seconds per run (default 20)")
     p.add_argument("--requests", type=int, default=None, help="stop a run after this many requests")
-    p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured load before each run")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured load before each run (at least; the window also waits for every client's first reply)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="per-request deadline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scale", type=float, default=1.0, help="document lengths x this (CPU runs)")

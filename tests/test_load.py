@@ -171,6 +171,19 @@ def test_errors_are_counted_by_status_with_their_first_message(checkpoint, capsy
     assert "FAILED_PRECONDITION x" in line and "boom" in line
 
 
+def test_the_window_opens_once_every_client_has_a_reply_and_counts_answers_inside_it(checkpoint):
+    """Replies take 0.4 s: a window opened at once would measure the pipeline filling. It opens when
+    all 4 clients have had their first reply and, 2 s long, holds the 4-5 answers each client gets
+    inside it (a closed loop: 10 per second), not the requests answered after it closed."""
+    server, addr = failing_server(delay_s=0.4)
+    try:
+        run = load.run_load(addr, six_short_stream(checkpoint), 4, duration_s=2.0, warmup_s=0.0, label="window")
+    finally:
+        server.stop(0)
+    assert run["window_opened_after_s"] >= 0.38
+    assert run["elapsed_s"] == 2.0 and 16 <= run["requests"] <= 20 and run["error_count"] == run["requests"]
+
+
 def test_an_interrupt_stops_the_clients_before_the_channels_close(checkpoint, monkeypatch):
     """SIGTERM in bench/load_compare.py is a SystemExit in the main thread while clients are calling:
     it must propagate, and no client thread may die on the closed channel."""
