@@ -383,6 +383,9 @@ def environment() -> dict:
             versions[name] = None
     return {"commit": commit, "gpu": gpu, "host": platform.node(),
             "python": platform.python_version(), "packages": versions,
+            # bench/load_check.sh: whether Triton's compile cache came from an earlier call (start-up
+            # times only: autotuning and every measured pass are the same either way)
+            "triton_compile_cache": os.environ.get("KEV_COMPILE_CACHE", "this process's own"),
             "command": " ".join([os.path.basename(sys.executable), *sys.orig_argv[1:]])}
 
 

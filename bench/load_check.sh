@@ -3,10 +3,14 @@
 # GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
 # that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
 # keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
-# completes), load_compare.log, gpu_util.csv.
+# completes), load_compare.log, gpu_util.csv, and triton_cache.tgz: Triton's compile cache (not its
+# autotune results) at the end. Copied to .triton_carry/ here and carried, it spares the next call's
+# services their kernel compiles (about a minute of each load call's start-up, mostly the bank's):
+#     mkdir -p .triton_carry && cp /work/.device/<N>/triton_cache.tgz .triton_carry/
+# The results record which it was (`triton_compile_cache`); autotuning runs at every start either way.
 #
 # On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
-# (bench/device_carry.sh builds them):
+# (bench/device_carry.sh builds them), and .triton_carry when there is one:
 #     KEV_COMMIT=<sha> bash bench/load_check.sh six-short [LIMIT_S] [more load_compare flags...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,11 +21,23 @@ shift $(( $# < 2 ? $# : 2 ))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl .whl_load/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
+export TRITON_CACHE_DIR=/tmp/triton_cache KEV_COMPILE_CACHE=empty
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .triton_carry/triton_cache.tgz ] && tar xzf .triton_carry/triton_cache.tgz -C "$TRITON_CACHE_DIR"; then
+    KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
+fi
+echo "triton compile cache: $KEV_COMPILE_CACHE"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
 sampler=$!
 timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workloads" --sweep 1,8,32,64 \
     --duration 5 --warmup-s 2 --out-dir "$OUT" "$@" > "$OUT/load_compare.log" 2>&1
 rc=$?
 kill "$sampler" 2>/dev/null
+tar czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null
+size=$(stat -c %s /tmp/triton_cache.tgz 2>/dev/null || echo 0)
+if [ "$size" -gt 0 ] && [ "$size" -le 16000000 ]; then  # the device tool brings back files of up to 16 MiB
+    cp /tmp/triton_cache.tgz "$OUT/triton_cache.tgz"
+fi
+echo "triton compile cache at the end: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $size bytes compressed"
 echo "load_compare: rc $rc after ${SECONDS} s"
 grep -E '^(==|   )|x(1|8|32|64)\] +[5-9]\.[0-9] s|req/s p99|errors' "$OUT/load_compare.log" | tail -40
