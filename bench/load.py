@@ -90,7 +90,8 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     sent = [0]
-    window = Window(time.perf_counter() + warmup_s, clients)
+    begin = time.perf_counter()
+    window = Window(begin + warmup_s, clients)
     stop = threading.Event()
 
     def claim() -> bool:
@@ -137,7 +138,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     try:
         window.wait_full(threads)
         time.sleep(max(0.0, window.not_before - time.perf_counter()))
-        window.open(duration_s if timed else None, limit_s=duration_s)
+        window.open(duration_s)
         before, bank_before = scrape(metrics_url), scrape(bank_metrics_url)
         if timed:
             time.sleep(max(0.0, window.end - time.perf_counter()))
@@ -159,7 +160,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
         after, bank_after = scrape(metrics_url), scrape(bank_metrics_url)
     result = summarize(outcomes, window.start, window.end if timed else None)
     result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
-                  window_opened_after_s=round(window.start - (window.not_before - warmup_s), 3),
+                  window_opened_after_s=round(window.start - begin, 3),
                   duration_limit_s=duration_s, request_limit=max_requests,
                   **scorer_figures(before, after, result["elapsed_s"]),
                   **bank_figures(bank_before, bank_after, result["elapsed_s"]))
@@ -191,15 +192,14 @@ class Window:
             pass
 
     @property
-    def answered(self) -> int:
-        """Clients that have had a reply (while warming up)."""
-        return -1 if self._full.is_set() else len(self._waiting)
+    def unanswered(self) -> int:
+        """Clients that have not had a reply yet."""
+        return len(self._waiting)
 
-    def open(self, duration_s: float | None, limit_s: float | None = None) -> None:
-        """Opens now; it ends `duration_s` later, or (a request count) `limit_s` later at most."""
+    def open(self, duration_s: float | None) -> None:
+        """Opens now; it closes `duration_s` later (None: when the clients stop)."""
         now = time.perf_counter()
-        span = duration_s if duration_s is not None else limit_s
-        self.end = None if span is None else now + span
+        self.end = None if duration_s is None else now + duration_s
         self.start = now
 
 
@@ -328,9 +328,9 @@ class Progress:
     def line(self) -> str:
         now, start = time.perf_counter(), self.window.start
         if start is None:
-            left = self.window.answered
+            left = self.window.unanswered
             return (f"[{self.label}] warming up, {max(0.0, self.window.not_before - now):4.1f} s left"
-                    + (f", {left} clients without a reply yet" if left > 0 else ""))
+                    + (f", {left} clients without a reply yet" if left else ""))
         with self.lock:
             done = [o for o in self.outcomes if start <= o.start + o.latency_s < (self.window.end or math.inf)]
         ok = sorted(o.latency_s * 1e3 for o in done if o.code == "OK")

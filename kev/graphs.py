@@ -63,11 +63,6 @@ class Buckets:
     rows: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
     row_tokens: tuple[int, ...] = (16, 32, 48, 64, 96, 128)
     picks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
-    # Every row bucket holds at least `picks_per_row` picks a row, so passes of the same rows and
-    # length share one key whatever their questions' option counts: keyed by their own picks, 32 rows
-    # of 3-4 picks each (128) missed the 32-row graph captured for 160 (256) and ran eagerly, 20 of
-    # 116 passes at six-short x 32 clients. Padded picks cost only a gather.
-    picks_per_row: int = PICKS_PER_ROW
     docs: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     # 32 and 48 for short documents (six-short's 48 tokens padded to 64 were a quarter of its state passes)
     doc_tokens: tuple[int, ...] = (32, 48, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2304, 2560, 3072, 4096)
@@ -77,7 +72,11 @@ class Buckets:
         R, L = _bucket(num_rows, self.rows), _bucket(max_len, self.row_tokens)
         if R is None or L is None:
             return None
-        P = _bucket(max(num_picks, self.picks_per_row * R), self.picks)
+        # At least PICKS_PER_ROW picks a row, so passes of the same rows and length share one key
+        # whatever their questions' option counts: keyed by their own picks, 32 rows of 3-4 picks
+        # (128) missed the 32-row graph captured for 160 (256) and ran eagerly, 20 of 116 passes at
+        # six-short x 32 clients. Padded picks cost only a gather.
+        P = _bucket(max(num_picks, PICKS_PER_ROW * R), self.picks)
         return None if P is None else GraphKey(PassKind.ROWS, R, L, P)
 
     def state_key(self, num_docs: int, max_len: int) -> GraphKey | None:
