@@ -386,6 +386,9 @@ def environment() -> dict:
             # bench/load_check.sh: whether Triton's compile cache came from an earlier call (start-up
             # times only: autotuning and every measured pass are the same either way)
             "triton_compile_cache": os.environ.get("KEV_COMPILE_CACHE", "this process's own"),
+            # bench/load_check.sh: the services' kernels time-sliced (CUDA's default for two processes)
+            # or run at once as clients of an MPS daemon (KEV_MPS=1)
+            "gpu_sharing": os.environ.get("KEV_GPU_SHARING", "time-sliced"),
             "command": " ".join([os.path.basename(sys.executable), *sys.orig_argv[1:]])}
 
 

@@ -12,6 +12,10 @@
 # On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
 # (bench/device_carry.sh builds them), and .triton_carry when there is one:
 #     KEV_COMMIT=<sha> bash bench/load_check.sh six-short [LIMIT_S] [more load_compare flags...]
+# KEV_MPS=1 runs the services as clients of an MPS daemon started here (pipe and log under /tmp,
+# stopped at the end): the bank's and the scorer's kernels then share the GPU at once instead of
+# taking turns in time slices. The results record which (`gpu_sharing`); a daemon that does not
+# come up fails the call rather than measuring the other mode under its name.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the device output folder}"
@@ -27,6 +31,17 @@ if [ -f .triton_carry/triton_cache.tgz ] && tar xzf .triton_carry/triton_cache.t
     KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
 fi
 echo "triton compile cache: $KEV_COMPILE_CACHE"
+export KEV_GPU_SHARING=time-sliced
+if [ "${KEV_MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS daemon did not start"; exit 1; }
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" \
+        || { echo "no CUDA context through MPS"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log; exit 1; }
+    KEV_GPU_SHARING=mps
+fi
+echo "GPU sharing between the services: $KEV_GPU_SHARING"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
 sampler=$!
 timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workloads" --sweep 1,8,32,64 \
