@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kev.bank.shared import SharedBank
 from kev.directory import Directory, DirectoryUnavailable, connect
 from kev.engine import LoadedModel
+from kev.heap import freeze_startup_heap
 from kev.ops import get_ops
 from kev.passes import PassBuilder, PassRole, ServedPasses
 from kev.prompts import Limits
@@ -197,9 +198,11 @@ class BankService:
                 if stop.wait(1.0):
                     return False
         self.metrics.serve(cfg.metrics_port)
+        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/heap.py)
         self.ready.set()
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s as node %s (metrics port %s)", SERVICE_NAME, cfg.node, cfg.metrics_port or "off")
+        log.info("serving %s as node %s (metrics port %s; %d start-up objects frozen out of GC scans)",
+                 SERVICE_NAME, cfg.node, cfg.metrics_port or "off", frozen)
         return True
 
     def _warm_up(self, passes: ServedPasses, bank) -> None:

@@ -42,6 +42,7 @@ import grpc
 
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from kev.doc_key import AFFINITY_HEADER
+from kev.heap import freeze_startup_heap
 from kev.v1 import scorer_pb2 as pb
 
 SCORE_METHOD = "/kev.v1.Scorer/ScoreQuestions"
@@ -59,6 +60,7 @@ class Outcome:
     cached: bool
     doc_tokens: int
     questions: int
+    sent_in_window: bool  # claimed after the window opened (what a request limit counts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,21 +96,29 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     window = Window(begin + warmup_s, clients)
     stop = threading.Event()
 
-    def claim() -> bool:
-        """Whether this client may send another request (the request limit counts window sends)."""
-        now = time.perf_counter()
-        if stop.is_set() or (window.end is not None and now >= window.end):
-            return False
-        if max_requests is None or window.start is None:
-            return True
+    def claim() -> bool | None:
+        """None: this client stops; else whether the request it may send is inside the window.
+        Under the lock the window opens with (`open_window`), so a claim is either before the
+        window or counted in it, never both: the request limit holds exactly."""
         with lock:
+            now = time.perf_counter()
+            if stop.is_set() or (window.end is not None and now >= window.end):
+                return None
+            if window.start is None:
+                return False
             sent[0] += 1
-            return sent[0] <= max_requests
+            return None if max_requests is not None and sent[0] > max_requests else True
+
+    def open_window() -> None:
+        with lock:
+            window.open(duration_s)
 
     def client(i: int) -> None:
         call = calls[i % len(calls)]
-        while claim():
-            item = stream.next()
+        while True:
+            item = stream.next()  # built before the claim: a request counted in the window is sent at once
+            if (in_window := claim()) is None:
+                return
             start = time.perf_counter()
             message = ""
             try:
@@ -127,9 +137,11 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
             window.replied(i)
             if not stop.is_set():
                 with lock:
-                    outcomes.append(Outcome(start, latency, code, message, cached, item.doc_tokens, item.questions))
+                    outcomes.append(Outcome(start, latency, code, message, cached, item.doc_tokens, item.questions,
+                                            in_window))
 
     threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
+    freeze_startup_heap()  # a full GC of this process would add its pause to every call in flight (kev/heap.py)
     for t in threads:
         t.start()
     progress = Progress(label or f"{stream.workload.name} x{clients}", outcomes, lock, window)
@@ -138,7 +150,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     try:
         window.wait_full(threads)
         time.sleep(max(0.0, window.not_before - time.perf_counter()))
-        window.open(duration_s)
+        open_window()
         before, bank_before = scrape(metrics_url), scrape(bank_metrics_url)
         if timed:
             time.sleep(max(0.0, window.end - time.perf_counter()))
@@ -212,10 +224,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def summarize(outcomes: list[Outcome], window_start: float, window_end: float | None = None) -> dict:
     """The run's figures from the requests the window holds: with `window_end`, those answered
-    in [window_start, window_end), per second of the window; without, those sent from
-    `window_start` on, per second until the last answer."""
+    in [window_start, window_end), per second of the window; without, those sent in the window
+    (`sent_in_window`), per second from `window_start` until the last answer."""
     if window_end is None:
-        outcomes = [o for o in outcomes if o.start >= window_start]
+        outcomes = [o for o in outcomes if o.sent_in_window]
         elapsed = max((o.start + o.latency_s for o in outcomes), default=window_start) - window_start
     else:
         outcomes = [o for o in outcomes if window_start <= o.start + o.latency_s < window_end]

@@ -27,7 +27,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
 export TRITON_CACHE_DIR=/tmp/triton_cache KEV_COMPILE_CACHE=empty
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -f .triton_carry/triton_cache.tgz ] && tar xzf .triton_carry/triton_cache.tgz -C "$TRITON_CACHE_DIR"; then
+if [ -n "$(ls -A "$TRITON_CACHE_DIR")" ]; then  # a second run in the same call
+    KEV_COMPILE_CACHE="this call's earlier run ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
+elif [ -f .triton_carry/triton_cache.tgz ] && tar xzf .triton_carry/triton_cache.tgz -C "$TRITON_CACHE_DIR"; then
     KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
 fi
 echo "triton compile cache: $KEV_COMPILE_CACHE"

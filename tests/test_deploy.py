@@ -326,6 +326,10 @@ def test_gpu_requests_and_node_selector_only_on_h100(rendered, overlay):
         assert exactly["deviceClassName"] == "gpu.nvidia.com"
         assert exactly.get("allocationMode", "ExactCount") == "ExactCount" and exactly.get("count", 1) == 1
         assert "NVIDIA H100 80GB HBM3" in exactly["selectors"][0]["cel"]["expression"]
+        (config,) = template["spec"]["spec"]["devices"]["config"]  # MPS: the two processes' kernels run at once
+        assert config["requests"] == [request["name"]] and config["opaque"]["driver"] == "gpu.nvidia.com"
+        assert config["opaque"]["parameters"]["kind"] == "GpuConfig"
+        assert config["opaque"]["parameters"]["sharing"] == {"strategy": "MPS"}
     else:  # device plugin: the bank holds the GPU, the scorer opens the same one by UUID
         assert gpu_requests == {"bank": "1"} and not spec.get("resourceClaims")
         assert bank["resources"]["requests"]["nvidia.com/gpu"] == "1"

@@ -116,10 +116,11 @@ def test_bucket_keys():
     b = Buckets()
     assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 32)  # picks capacity 5 a row at least
     assert b.row_key(5, 33, 40) == GraphKey(PassKind.ROWS, 6, 48, 64)
-    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 112, 32, 1024)
+    assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 104, 32, 1024)
     assert b.row_key(129, 32, 1) is None and b.row_key(4, 129, 1) is None and b.row_key(4, 8, 2000) is None
     assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 48) and b.state_key(1, 49) == GraphKey(PassKind.STATE, 1, 64)
     assert b.row_key(75, 32, 270) == GraphKey(PassKind.ROWS, 80, 32, 512)  # a busy pass: 80, not 96
+    assert b.row_key(83, 32, 300) == GraphKey(PassKind.ROWS, 88, 32, 512)  # steps of 8 rows above 32
     # rows of 3 picks and rows of 5 share the graph a start-up 'RxL' bucket captured
     (R, L, P), = parse_row_buckets("32x32")
     assert b.row_key(25, 32, 75) == b.row_key(32, 32, 160) == b.row_key(R, L, P) == GraphKey(PassKind.ROWS, 32, 32, 256)

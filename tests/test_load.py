@@ -246,7 +246,7 @@ def test_start_up_plans_follow_the_workloads():
                                     startup_breakdown)
 
     six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
-    assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,80x32,96x32"
+    assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
     assert doc_plan([six]) == "1x48,2x48,4x48,6x48,8x48,12x48,16x48,24x48,32x48,48x48,64x48"
     assert doc_plan([five]) == "1x2304,2x2304,4x2304,6x2304"
     both = doc_plan([six, five]).split(",")
