@@ -183,7 +183,8 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
         entry = results.setdefault(system, {})[name] = {"sample": sample_answers(running.addr, stream.sample(args.sample),
                                                                                   args.timeout_s), "runs": []}
         for n in args.sweep or [args.clients]:
-            entry["runs"].append(run_load(running.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
+            duration = args.baseline_duration if system == "baseline" and args.baseline_duration else args.duration
+            entry["runs"].append(run_load(running.addr, stream, n, duration_s=duration, max_requests=args.requests,
                                           warmup_s=args.warmup_s, timeout_s=args.timeout_s,
                                           metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
                                           label=f"{system} {name} x{n}"))
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", default=None, help="default /tmp/kev-4b-random (GPU) or a temp dir (CPU)")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     p.add_argument("--sample", type=int, default=8, help="requests per workload compared across systems")
+    p.add_argument("--baseline-duration", type=float, default=None,
+                   help="the baseline's window (default --duration): five-long x 64's padded forwards take "
+                        "seconds each, and a window must hold several of them")
     p.add_argument("--bank-gb", type=float, default=None, help="bank memory (default 48 GiB on GPU, 64 MiB on CPU)")
     p.add_argument("--avg-doc-tokens", type=int, default=2048, help="the bank's slot/page split")
     p.add_argument("--max-document-tokens", type=int, default=65536)
