@@ -269,10 +269,19 @@ class BaselineBatcher:
         except torch.OutOfMemoryError:
             if len(batch) == 1:
                 raise
-            torch.cuda.empty_cache()
+            answers = None
+        if answers is None:
+            # Retried here, not inside the except block: there the exception's traceback still holds
+            # the failed forward's frames and their activations, so the halves ran with that memory
+            # still taken (five-long x 64 beside the stack at 763d436: every half down to single
+            # requests ran out too, 614 requests failed).
+            tokens = self.scorer.padded_tokens(prepared)
+            self.max_batch_tokens = min(self.max_batch_tokens, tokens - 1)  # later batches are taken smaller
+            if self.scorer.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("out of GPU memory on %d requests (%d padded tokens): splitting in halves; forwards "
+                        "capped at %d padded tokens from now on", len(batch), tokens, self.max_batch_tokens)
             half = len(batch) // 2
-            log.warning("out of GPU memory on %d requests (%d padded tokens): splitting in halves", len(batch),
-                        self.scorer.padded_tokens(prepared))
             self._run(batch[:half])
             self._run(batch[half:])
             return

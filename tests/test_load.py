@@ -241,6 +241,52 @@ def test_baseline_warm_up_caps_forwards_that_run_out_of_memory():
     assert scorer.warm([80], max_rows=8, max_batch_tokens=786432) == ([(r, 80) for r in (1, 2, 4, 8)], 786432)
 
 
+def test_baseline_batcher_splits_a_batch_that_runs_out_of_memory_and_caps_later_batches():
+    """Halves are retried outside the except block (no exception in flight, so the failed forward's
+    frames are gone), every request is answered, and later batches are taken under the new cap."""
+    import sys
+    from types import SimpleNamespace
+
+    from bench.load_baseline import BaselineBatcher, Pending
+
+    calls = []
+
+    class Scorer:  # 1,000 padded tokens a request; a forward of more than 2 requests runs out of memory
+        device = torch.device("cpu")
+
+        def padded_tokens(self, prepared):
+            return 1000 * len(prepared)
+
+        def answer(self, prepared):
+            calls.append((len(prepared), sys.exc_info()[0]))
+            if len(prepared) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return [{"q": p.rows} for p in prepared]
+
+    def jobs(n):
+        return [Pending(SimpleNamespace(rows=(i,))) for i in range(n)]
+
+    batcher = BaselineBatcher(Scorer(), max_requests=64, max_batch_tokens=10_000)
+    try:
+        first = jobs(8)
+        batcher._run(first)  # the worker thread idles meanwhile: its queue is empty
+        assert [j.answers for j in first] == [{"q": (i,)} for i in range(8)]
+        assert calls == [(8, None), (4, None), (2, None), (2, None), (4, None), (2, None), (2, None)]
+        assert batcher.max_batch_tokens == 3999  # below the smallest batch that ran out of memory
+
+        calls.clear()
+        later = jobs(8)
+        with batcher._cond:  # all at once: the worker takes its batches under the cap
+            batcher._queue.extend(later)
+            batcher._cond.notify()
+        for j in later:
+            assert j.done.wait(10)
+        assert [j.error for j in later] == [None] * 8 and [j.answers for j in later] == [{"q": (i,)} for i in range(8)]
+        assert max(n for n, _ in calls) == 3 and all(exc is None for _, exc in calls)
+    finally:
+        batcher.stop()
+
+
 def test_start_up_plans_follow_the_workloads():
     from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, longest_document, row_plan,
                                     startup_breakdown)
