@@ -101,6 +101,7 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
     out["settings"] = {k: v for k, v in vars(args).items() if k not in ("workload",)}
     out["packages"], out["python"], out["host"], out["command"] = (env["packages"], env["python"], env["host"],
                                                                    env["command"])
+    out["triton_compile_cache"], out["gpu_sharing"] = env["triton_compile_cache"], env["gpu_sharing"]
     return out
 
 
