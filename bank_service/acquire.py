@@ -7,7 +7,9 @@
           |
     worker thread: drains the queue (waits up to max_wait for more; on CUDA a pass that fits a
     graph bucket takes no document that would make it fit none), allocates a slot per new
-    document (evicting LRU unpinned entries when full), runs ONE state pass for the batch,
+    document (evicting LRU unpinned entries when full; with every entry pinned the document goes
+    back to the queue's front and is retried every SPACE_RETRY_S until full_wait after its arrival,
+    as the requests holding the pins finish), runs ONE state pass for the batch,
     waits for the GPU to finish it (a scorer reads the states from its own process), then
     registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
     Idle (nothing queued), it captures one queued CUDA graph at a time (kev/passes.py; CUDA only).
@@ -36,15 +38,20 @@ from bank_service.metrics import BankMetrics
 
 log = logging.getLogger(__name__)
 
+# How often documents waiting for space retry while every entry is pinned: pins are released in
+# Redis by the scorers, so the bank is not told; a retry is one eviction script call.
+SPACE_RETRY_S = 0.01
+
 
 class Acquirer:
     def __init__(self, passes: ServedPasses, bank: Bank, directory: Directory, metrics: BankMetrics, *,
                  lease_s: float, max_wait_s: float, max_pass_tokens: int, max_pass_documents: int,
-                 epoch_check_s: float):
+                 epoch_check_s: float, full_wait_s: float = 0.0):
         self.passes, self.bank, self.directory, self.metrics = passes, bank, directory, metrics
         self.model_id = directory.model_id
         self.lease_s = lease_s
         self.max_wait_s = max_wait_s
+        self.full_wait_s = full_wait_s
         self.max_pass_tokens = max_pass_tokens
         self.max_pass_documents = max_pass_documents
         self.epoch_check_s = epoch_check_s
@@ -56,6 +63,7 @@ class Acquirer:
         self._pending: dict[str, Job] = {}
         self._stopping = False
         self._reconcile_due = False
+        self._space_retry_at = 0.0  # monotonic: documents waiting for space are not retried before
         self._epoch: str | None = None
         self._thread = threading.Thread(target=self._run, name="state-pass-worker", daemon=True)
 
@@ -161,6 +169,8 @@ class Acquirer:
     def _run(self) -> None:
         while True:
             with self._cv:
+                while not self._stopping and (pause := self._space_retry_at - time.monotonic()) > 0:
+                    self._cv.wait(pause)  # the queue's front waits for space (_hold_for_space)
                 if not (self._queue or self._stopping or self._reconcile_due or self.passes.idle_work):
                     self._cv.wait(self.epoch_check_s)
                 if self._stopping:
@@ -211,6 +221,7 @@ class Acquirer:
                 self._fail(job, AcquireFailed(Reason.UNAVAILABLE, str(e)))
             return
         passes: list[tuple[Job, BankHandle]] = []
+        full: list[Job] = []
         for job in batch:
             with self._lock:
                 live = self._live.get(job.doc_key)
@@ -219,10 +230,11 @@ class Acquirer:
                 continue
             try:
                 passes.append((job, self._alloc(len(job.tokens))))
-            except BankFull as e:
-                self._fail(job, AcquireFailed(Reason.RESOURCE_EXHAUSTED, f"bank full, every entry pinned: {e}"))
+            except BankFull:
+                full.append(job)
             except DirectoryUnavailable as e:
                 self._fail(job, AcquireFailed(Reason.UNAVAILABLE, str(e)))
+        self._hold_for_space(full)
         if not passes:
             return
         start = time.perf_counter()
@@ -242,6 +254,31 @@ class Acquirer:
         m.state_pass_tokens.inc(sum(len(j.tokens) for j, _ in passes))
         for job, handle in passes:
             self._finish(job, LiveEntry(handle, len(job.tokens)), new=True)
+
+    def _hold_for_space(self, jobs: list[Job]) -> None:
+        """Documents that found every entry pinned go back to the queue's front, in order, to be
+        retried in SPACE_RETRY_S: the pins belong to requests whose rows are running, and each
+        holds one document, so space comes as they finish. A document refused for `full_wait_s`
+        since its arrival gets RESOURCE_EXHAUSTED; one whose callers have all given up is dropped."""
+        now = time.monotonic()
+        keep = []
+        with self._cv:  # the checks and the drop under one lock: no caller joins in between
+            for job in jobs:
+                if all(w.abandoned for w in job.waiters):
+                    self._fail(job, AcquireFailed(Reason.DEADLINE_EXCEEDED, "every caller gave up"))
+                elif now - job.enqueued >= self.full_wait_s:
+                    self._fail(job, AcquireFailed(Reason.RESOURCE_EXHAUSTED,
+                                                  f"bank full, every entry pinned for {self.full_wait_s:g} s"))
+                else:
+                    keep.append(job)
+            if keep:
+                self._queue.extendleft(reversed(keep))
+                self._space_retry_at = now + SPACE_RETRY_S
+                self.metrics.queue_depth.set(len(self._queue))
+        for job in keep:
+            if not job.waited_for_space:
+                job.waited_for_space = True
+                self.metrics.space_waits.inc()
 
     def _alloc(self, tokens: int) -> BankHandle:
         """A slot and pages, evicting least-recently-used unpinned entries while the bank is full."""

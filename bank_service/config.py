@@ -45,6 +45,10 @@ class BankConfig:
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)
     max_wait_ms: float = 2.0  # longest a new document waits for others to share its state pass
+    # longest a new document waits for space while every entry is pinned (their requests finish and
+    # release them), counted from its arrival; then RESOURCE_EXHAUSTED. 0: refused at once. The
+    # default lease's length: a pin its crashed holder never releases expires within the wait.
+    full_wait_ms: float = 30000.0
     max_pass_tokens: int = 16384  # document tokens per state pass at most (one longer document runs alone)
     max_pass_documents: int = 64
     max_lease_seconds: float = 3600.0  # longest lease a caller may ask for
@@ -84,8 +88,8 @@ class BankConfig:
                      "max_pass_documents", "grpc_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_wait_ms < 0 or self.epoch_check_s <= 0 or self.grace_s < 0:
-            raise ConfigError("--max-wait-ms and --grace-s must be >= 0, --epoch-check-s > 0")
+        if self.max_wait_ms < 0 or self.full_wait_ms < 0 or self.epoch_check_s <= 0 or self.grace_s < 0:
+            raise ConfigError("--max-wait-ms, --full-wait-ms and --grace-s must be >= 0, --epoch-check-s > 0")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> "BankConfig":
@@ -111,7 +115,7 @@ class BankConfig:
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens", "max_pass_documents",
                      "grpc_workers", "torch_threads"):
             p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
-        for name in ("max_wait_ms", "max_lease_seconds", "epoch_check_s", "grace_s"):
+        for name in ("max_wait_ms", "full_wait_ms", "max_lease_seconds", "epoch_check_s", "grace_s"):
             p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)
         p.add_argument("--shm-dir", type=Path, default=d["shm_dir"].default)
         flags = vars(p.parse_args(list(argv)))

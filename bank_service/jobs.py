@@ -83,3 +83,4 @@ class Job:
     tokens: list[int]
     enqueued: float
     waiters: list[Waiter] = field(default_factory=list)
+    waited_for_space: bool = False  # found every entry pinned at least once (counted once)

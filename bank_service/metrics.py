@@ -32,6 +32,8 @@ class BankMetrics:
             "kev_bank_acquire_seconds", "Acquire latency (hits and state passes)", ["cached"], registry=r,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10))
         self.evictions = Counter("kev_bank_evictions", "Entries evicted to make room", registry=r)
+        self.space_waits = Counter("kev_bank_space_waits",
+                                   "Times a new document found every entry pinned and waited for space", registry=r)
         self.directory_resets = Counter("kev_bank_directory_resets",
                                         "Times the directory lost its data and the bank re-registered", registry=r)
         self.queue_depth = Gauge("kev_bank_queue_depth", "New documents waiting for a state pass", registry=r)

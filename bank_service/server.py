@@ -187,7 +187,8 @@ class BankService:
         self.metrics = BankMetrics(bank.stats)
         self.directory = Directory(connect(cfg.redis_url), self.model_id, cfg.node)
         self.acquirer = Acquirer(passes, bank, self.directory, self.metrics, lease_s=cfg.lease_seconds,
-                                 max_wait_s=cfg.max_wait_ms / 1000, max_pass_tokens=cfg.max_pass_tokens,
+                                 max_wait_s=cfg.max_wait_ms / 1000, full_wait_s=cfg.full_wait_ms / 1000,
+                                 max_pass_tokens=cfg.max_pass_tokens,
                                  max_pass_documents=cfg.max_pass_documents, epoch_check_s=cfg.epoch_check_s)
         while True:  # Redis may come up after the bank
             try:

@@ -66,7 +66,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.load import add_run_args, environment, json_safe, run_load
+from bench.load import add_run_args, environment, json_safe, parse_counts, run_load
 from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, format_breakdown,
                                 longest_document, row_plan, startup_breakdown, warm_plan)
 from bench.load_report import report, sample_answers, write_quietly
@@ -182,7 +182,7 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
         stream = RequestStream(maker, model_id, WORKLOADS[name].scaled(args.scale), seed)
         entry = results.setdefault(system, {})[name] = {"sample": sample_answers(running.addr, stream.sample(args.sample),
                                                                                   args.timeout_s), "runs": []}
-        for n in args.sweep or [args.clients]:
+        for n in sweep_of(system, args):
             duration = args.baseline_duration if system == "baseline" and args.baseline_duration else args.duration
             entry["runs"].append(run_load(running.addr, stream, n, duration_s=duration, max_requests=args.requests,
                                           warmup_s=args.warmup_s, timeout_s=args.timeout_s,
@@ -191,6 +191,12 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
             save()
         entry["done"] = True
         save()
+
+
+def sweep_of(system: str, args) -> list[int]:
+    """The client counts `system` runs: its own `--<system>-sweep`, else `--sweep`, else `--clients`."""
+    own = getattr(args, f"{system}_sweep", None)
+    return own or args.sweep or [args.clients]
 
 
 def apply_startup_defaults(args, workloads: list[str]) -> None:
@@ -213,7 +219,7 @@ def apply_startup_defaults(args, workloads: list[str]) -> None:
             parse_warm_classes(args.warm_classes)  # a bad name fails here, not in a service's start-up
         args.scorer_warm_classes = args.bank_warm_classes = args.warm_classes
     args.baseline_warm_widths = baseline_warm_widths(used)
-    args.baseline_warm_rows = baseline_warm_rows(used, args.sweep or [args.clients])
+    args.baseline_warm_rows = baseline_warm_rows(used, sweep_of("baseline", args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir", default=None, help="default /tmp/kev-4b-random (GPU) or a temp dir (CPU)")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     p.add_argument("--sample", type=int, default=8, help="requests per workload compared across systems")
+    for system in ("baseline", "gathered"):
+        p.add_argument(f"--{system}-sweep", type=parse_counts, default=None,
+                       help=f"the {system}'s client counts (default --sweep); must hold --clients, whose run "
+                            "the results compare")
     p.add_argument("--baseline-duration", type=float, default=None,
                    help="the baseline's window (default --duration): five-long x 64's padded forwards take "
                         "seconds each, and a window must hold several of them")
@@ -263,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         args.torch_threads = 4 if on_gpu else 1
     if args.sweep and args.clients not in args.sweep:
         args.clients = max(args.sweep)
+    for system in ("baseline", "gathered"):
+        if (own := getattr(args, f"{system}_sweep")) and args.clients not in own:
+            p.error(f"--{system}-sweep {own} must hold {args.clients} clients (the compared run)")
     try:
         apply_startup_defaults(args, workloads)
     except ValueError as e:

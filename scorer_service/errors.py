@@ -25,7 +25,7 @@ class StaleAttachment(Unavailable):
 
 
 class Exhausted(ServiceError):
-    """The row queue is full, or the bank is full of pinned entries."""
+    """The row queue is full, or the bank stayed full of pinned entries for its --full-wait-ms."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

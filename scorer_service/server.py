@@ -11,7 +11,8 @@ Status mapping:
                         KEV_MAX_REQUEST_BYTES (the field holding the most bytes is named), invalid
                         UTF-8 and unknown models. Above TRANSPORT_LIMIT_FACTOR x that limit gRPC itself
                         refuses the message with RESOURCE_EXHAUSTED before the server sees it.
-    RESOURCE_EXHAUSTED  the row queue is full (KEV_MAX_QUEUE), or the bank is full of pinned entries
+    RESOURCE_EXHAUSTED  the row queue is full (KEV_MAX_QUEUE), or the bank stayed full of pinned entries
+                        for its --full-wait-ms (a new document waits that long for a pin to go)
     UNAVAILABLE         the bank or Redis cannot be reached, the scorer is draining, or the document's
                         entry went stale twice in a row (bank restarts); safe to retry
     DEADLINE_EXCEEDED   the client's deadline passed first (rows still queued are dropped)

@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -322,7 +323,8 @@ def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path
     entry pinned a new document is refused and nothing leaks; a holder that never releases
     (crashed) stops protecting its entry once its lease runs out. Then a clean SIGTERM."""
     node = "small-node"
-    small = start_bank(ckpt, redis_srv.url, tmp_path, memory_bytes=4 * 33280, node=node, metrics=False)
+    small = start_bank(ckpt, redis_srv.url, tmp_path, memory_bytes=4 * 33280, node=node, metrics=False,
+                       extra_args=("--full-wait-ms", "300"))
     try:
         stub = small.stub()
         assert stub.Stats(pb.StatsRequest(), timeout=10).slots_total == 4
@@ -343,9 +345,11 @@ def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path
         held1 = acquire(stub, d[1])
         assert crashed3.cached and held1.cached
         before = stub.Stats(pb.StatsRequest(), timeout=10)
+        start = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             acquire(stub, d[5])
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - start >= 0.3, "refused before --full-wait-ms had passed"
         after = stub.Stats(pb.StatsRequest(), timeout=10)
         assert (after.slots_used, after.blocks_used, after.evictions) == (4, before.blocks_used, 1)
         assert live() == {keys[0], keys[1], keys[3], keys[4]}
@@ -366,6 +370,43 @@ def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path
     assert rc == 0, small.log_text()[-3000:]
     assert not shm[0].exists(), "SIGTERM left the shared memory file"
     assert live() == set(), "the bank's directory namespace outlived it"
+
+
+def test_a_full_bank_makes_a_new_document_wait_for_a_pin_to_go(ckpt, redis_srv, tmp_path):
+    """Every entry pinned: a new document waits (no error) and is served once a holder releases;
+    a waiting caller that gives up leaves nothing behind: its document is dropped, not passed,
+    and no entry is evicted for it."""
+    node = "full-node"
+    small = start_bank(ckpt, redis_srv.url, tmp_path, memory_bytes=4 * 33280, node=node, metrics=False,
+                       extra_args=("--full-wait-ms", "20000"))
+    try:
+        stub = small.stub()
+        d = [doc(30 + i, f"full{i}") for i in range(6)]
+        keys = [document_key(TINY_MODEL_ID, x) for x in d]
+        live = lambda: {e.doc_key for e in Directory(redis_srv.client(), TINY_MODEL_ID, node).entries()}  # noqa: E731
+        held = [acquire(stub, d[i]) for i in range(4)]  # all four slots pinned
+
+        waiting = futures.ThreadPoolExecutor(1).submit(acquire, stub, d[4], 0, 30)
+        time.sleep(0.5)
+        assert not waiting.done(), "a new document was answered while every entry was pinned"
+        assert release(stub, held[1])
+        got = waiting.result(timeout=10)
+        assert not got.cached and live() == {keys[0], keys[2], keys[3], keys[4]}  # d1 made room
+
+        with pytest.raises(grpc.RpcError) as err:  # this caller gives up while it waits
+            acquire(stub, d[5], timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.5)  # the bank notices (its 50 ms poll) and drops the job at a retry (10 ms)
+        assert release(stub, held[2])
+        time.sleep(0.5)
+        assert live() == {keys[0], keys[2], keys[3], keys[4]}, "a document nobody waits for took a slot"
+        stats = stub.Stats(pb.StatsRequest(), timeout=10)
+        assert stats.slots_used == 4 and stats.evictions == 1
+        for resp in (held[0], held[3], got):
+            assert release(stub, resp)
+    finally:
+        rc = small.stop()
+    assert rc == 0, small.log_text()[-3000:]
 
 
 @pytest.mark.parametrize("lens,bucketed,taken", [

@@ -389,3 +389,14 @@ def test_load_compare_passes_the_warm_classes(monkeypatch):
         assert made[-1]["scorer_env"].get("KEV_WARM_CLASSES") == scorer
         assert made[-1]["bank_env"].get("KEV_WARM_CLASSES") == bank
         assert made[-1]["bank_env"]["KEV_GRAPH_DOCS"] == args.graph_docs
+
+
+def test_each_system_runs_its_own_sweep_or_the_common_one():
+    from types import SimpleNamespace
+
+    from bench.load_compare import sweep_of
+
+    args = SimpleNamespace(sweep=[1, 8, 64], clients=64, baseline_sweep=None, gathered_sweep=[64])
+    assert sweep_of("kev", args) == [1, 8, 64] and sweep_of("baseline", args) == [1, 8, 64]
+    assert sweep_of("gathered", args) == [64]
+    assert sweep_of("kev", SimpleNamespace(sweep=None, clients=8)) == [8]
