@@ -400,7 +400,7 @@ def environment() -> dict:
             "triton_compile_cache": os.environ.get("KEV_COMPILE_CACHE", "this process's own"),
             # bench/load_check.sh: the services' kernels time-sliced (CUDA's default for two processes)
             # or run at once as clients of an MPS daemon (KEV_MPS=1)
-            "gpu_sharing": os.environ.get("KEV_GPU_SHARING", "time-sliced"),
+            "gpu_sharing": os.environ.get("KEV_GPU_SHARING", "not recorded (set by bench/load_check.sh)"),
             "command": " ".join([os.path.basename(sys.executable), *sys.orig_argv[1:]])}
 
 

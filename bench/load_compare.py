@@ -67,8 +67,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.load import add_run_args, environment, json_safe, parse_counts, run_load
-from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, format_breakdown,
-                                longest_document, row_plan, startup_breakdown, warm_plan)
+from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_rows, baseline_warm_widths, doc_plan,
+                                format_breakdown, longest_document, row_plan, startup_breakdown, warm_plan)
 from bench.load_report import report, sample_answers, write_quietly
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from bench.random_checkpoint import write_random_checkpoint
@@ -210,6 +210,8 @@ def apply_startup_defaults(args, workloads: list[str]) -> None:
         args.graph_docs = doc_plan(used)
     if args.gathered_max_prefix_tokens is None:
         args.gathered_max_prefix_tokens = longest_document(used)
+    if getattr(args, "avg_doc_tokens", None) is None:
+        args.avg_doc_tokens = bank_avg_doc_tokens(used)
     if args.warm_classes == "auto":  # the workloads' classes and those of the buckets captured at start-up
         started = lambda setting, default: default if setting == "default" else setting  # noqa: E731
         args.scorer_warm_classes, args.bank_warm_classes = warm_plan(
@@ -240,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the baseline's window (default --duration): five-long x 64's padded forwards take "
                         "seconds each, and a window must hold several of them")
     p.add_argument("--bank-gb", type=float, default=None, help="bank memory (default 48 GiB on GPU, 64 MiB on CPU)")
-    p.add_argument("--avg-doc-tokens", type=int, default=2048, help="the bank's slot/page split")
+    p.add_argument("--avg-doc-tokens", type=int, default=None,
+                   help="the bank's slot/page split (default: from the workloads, at least 2048)")
     p.add_argument("--max-document-tokens", type=int, default=65536)
     p.add_argument("--baseline-max-batch-tokens", type=int, default=786432)
     p.add_argument("--torch-threads", type=int, default=None, help="per service process (default 1 on CPU, 4 on GPU)")

@@ -111,6 +111,15 @@ def warm_plan(workloads: list[Workload], graph_rows: str = "none", graph_docs: s
     return show(rows), show(docs)
 
 
+def bank_avg_doc_tokens(workloads: list[Workload], floor: int = 2048) -> int:
+    """The bank's `--avg-doc-tokens` (its slot / K/V page split) for these workloads: the longest
+    workload's mean document (a range: its middle), at least `floor` (the split used so far for
+    short documents: hundreds of slots either way). Longdoc's 16,384 / 61,440 make 38,912: a
+    48 GiB bank then holds ~37 such documents, not the 14 that a 2,048 split leaves pages for."""
+    means = [sum(w.doc_range) // 2 if w.doc_range else sum(w.doc_tokens) // len(w.doc_tokens) for w in workloads]
+    return max([floor, *means])
+
+
 def longest_document(workloads: list[Workload]) -> int:
     """KEV_GATHERED_MAX_PREFIX_TOKENS: the longest document (tokens, `<state>` included)."""
     return max(max(_doc_lengths(w)) for w in workloads)

@@ -288,8 +288,8 @@ def test_baseline_batcher_splits_a_batch_that_runs_out_of_memory_and_caps_later_
 
 
 def test_start_up_plans_follow_the_workloads():
-    from bench.load_startup import (baseline_warm_rows, baseline_warm_widths, doc_plan, longest_document, row_plan,
-                                    startup_breakdown)
+    from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_rows, baseline_warm_widths, doc_plan,
+                                    longest_document, row_plan, startup_breakdown)
 
     six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
     assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
@@ -300,6 +300,8 @@ def test_start_up_plans_follow_the_workloads():
     assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
     assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Runner
     assert longest_document([six, five]) == 2200 and longest_document([mixed]) == 512
+    assert bank_avg_doc_tokens([six, five]) == 2200 and bank_avg_doc_tokens([mixed]) == 2048
+    assert bank_avg_doc_tokens([WORKLOADS["longdoc"]]) == 38912
     assert baseline_warm_widths([six, five]) == [80, 2232] and baseline_warm_rows([five], [1, 8, 64]) == 320
     log_text = "\n".join([
         "2026-11-29 11:40:00,000 INFO bank_service: config {}",
