@@ -183,12 +183,16 @@ class BaselineScorer:
         shapes = [(r, -(-w // self.length_multiple) * self.length_multiple)
                   for w in sorted(set(widths)) for r in PAD_ROWS if r <= top]
         shapes = [(r, w) for r, w in dict.fromkeys(shapes) if r == 1 or r * w <= max_batch_tokens]
-        ran, failed = [], []
+        ran, failed, seconds = [], [], []
         for r, w in shapes:
             if any(fw == w for _, fw in failed):
                 continue
             try:
+                start = time.perf_counter()
                 self.model(input_ids=torch.zeros(r, w, dtype=torch.long, device=self.device), use_cache=False)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # each shape's own time: compiles and autotuning included
+                seconds.append(f"{r}x{w} {time.perf_counter() - start:.1f} s")
                 ran.append((r, w))
             except torch.OutOfMemoryError:
                 failed.append((r, w))
@@ -196,6 +200,7 @@ class BaselineScorer:
                     torch.cuda.empty_cache()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        log.info("warm-up forwards: %s", ", ".join(seconds))
         if failed:
             limit = min(r * w for r, w in failed)
             max_batch_tokens = max((r * w for r, w in ran if r * w < limit), default=0)

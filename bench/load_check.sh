@@ -4,9 +4,10 @@
 # that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
 # keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
 # completes), load_compare.log, gpu_util.csv, and triton_cache.tgz: Triton's compile cache (not its
-# autotune results) at the end. Copied to .triton_carry/ here and carried, it spares the next call's
-# services their kernel compiles (about a minute of each load call's start-up, mostly the bank's):
-#     mkdir -p .triton_carry && cp /work/.device/<N>/triton_cache.tgz .triton_carry/
+# autotune results, except the baseline's) at the end, in parts of 15 MB. Copied to .triton_carry/
+# here and carried, it spares the next call's services their kernel compiles (about a minute of each
+# load call's start-up, mostly the bank's) and the baseline its autotuning:
+#     rm -rf .triton_carry && mkdir .triton_carry && cp /work/.device/<N>/triton_cache.tgz.part* .triton_carry/
 # The results record which it was (`triton_compile_cache`); autotuning runs at every start either way.
 #
 # On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
@@ -29,7 +30,8 @@ export TRITON_CACHE_DIR=/tmp/triton_cache KEV_COMPILE_CACHE=empty
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -n "$(ls -A "$TRITON_CACHE_DIR")" ]; then  # a second run in the same call
     KEV_COMPILE_CACHE="this call's earlier run ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
-elif [ -f .triton_carry/triton_cache.tgz ] && tar xzf .triton_carry/triton_cache.tgz -C "$TRITON_CACHE_DIR"; then
+elif ls .triton_carry/triton_cache.tgz* >/dev/null 2>&1 \
+        && cat .triton_carry/triton_cache.tgz* | tar xz -C "$TRITON_CACHE_DIR"; then  # one file, or its parts
     KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
 fi
 echo "triton compile cache: $KEV_COMPILE_CACHE"
@@ -52,8 +54,9 @@ rc=$?
 kill "$sampler" 2>/dev/null
 tar czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null
 size=$(stat -c %s /tmp/triton_cache.tgz 2>/dev/null || echo 0)
-if [ "$size" -gt 0 ] && [ "$size" -le 16000000 ]; then  # the device tool brings back files of up to 16 MiB
-    cp /tmp/triton_cache.tgz "$OUT/triton_cache.tgz"
+# The device tool brings back files of up to 16 MiB, 8 files in all: parts of 15 MB, at most 3.
+if [ "$size" -gt 0 ] && [ "$size" -le 45000000 ]; then
+    split -b 15000000 -d -a 2 /tmp/triton_cache.tgz "$OUT/triton_cache.tgz.part"
 fi
 echo "triton compile cache at the end: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $size bytes compressed"
 echo "load_compare: rc $rc after ${SECONDS} s"

@@ -140,7 +140,11 @@ def _scorer_running(stack: Stack, index: int, ports: dict) -> Running:
 def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
     port, metrics_port = free_port(), free_port()
     addr = f"127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    # TRITON_CACHE_AUTOTUNING: the baseline's (fla's) autotune results go to Triton's cache dir,
+    # which bench/load_check.sh carries between device calls: a later start re-tunes nothing.
+    # Start-up only: a cached pick is one the same kernels made on the same kind of GPU and shapes.
+    # (The project's services keep their hot kernels off the disk cache: kev.ops.autotune.ClassTuner.)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_AUTOTUNING": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "bench.load_baseline", "--checkpoint", str(checkpoint), "--device", args.device,
            "--listen", addr, "--metrics-port", str(metrics_port), "--max-batch-tokens", str(args.baseline_max_batch_tokens),
@@ -164,7 +168,11 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
             time.sleep(0.2)
     running = Running(addr, f"http://127.0.0.1:{metrics_port}/metrics", proc.stop,
                       lambda: {"baseline": proc.log_tail(2000)})
-    running.startup = startup_breakdown(proc.log_path.read_text(errors="replace"))
+    text = proc.log_path.read_text(errors="replace")
+    running.startup = startup_breakdown(text)
+    for line in text.splitlines():  # where the baseline's start-up went, shape by shape
+        if "warm-up forwards:" in line or "out of GPU memory warming" in line:
+            print(f"   baseline: {line.split(' ', 3)[-1]}", file=sys.stderr, flush=True)
     return running
 
 
