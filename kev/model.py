@@ -152,11 +152,13 @@ class GatedDeltaNet(nn.Module):
         g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
 
         def mix(meta, mixed, g, beta):  # one phase's sequences: the conv, then the delta rule
-            qkv = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool)  # [t, conv_dim]
-            # q, k, v stay column views of one buffer: the ops take strides, nothing copies.
-            q = qkv[:, : cfg.linear_key_dim].unflatten(1, (H, K))
-            k = qkv[:, cfg.linear_key_dim : 2 * cfg.linear_key_dim].unflatten(1, (H, K))
-            v = qkv[:, 2 * cfg.linear_key_dim :].unflatten(1, (HV, V))
+            # q,k and v in two blocks of one buffer: the delta rule needs v contiguous (fla's WY
+            # recompute), and q, k stay column views (the ops take strides): nothing copies.
+            qk, v = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool,
+                                    split=2 * cfg.linear_key_dim)
+            q = qk[:, : cfg.linear_key_dim].unflatten(1, (H, K))
+            k = qk[:, cfg.linear_key_dim :].unflatten(1, (H, K))
+            v = v.unflatten(1, (HV, V))
             return ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [t, HV, V]
 
         o = mix_by_phase(phases, scope, mix, mixed, g, beta)  # [T, HV, V]

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import triton
 
 from interpret_support import FakeHopper, compiled_kernels
 from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
@@ -67,6 +68,34 @@ def test_conv_matches_reference(interp, poisoned, case):
     outside = torch.ones_like(base, dtype=torch.bool)
     outside[1::2, 1:1 + C, 1:W] = False
     assert torch.equal(base[outside], before[outside]), "a write landed outside the pool view"
+
+
+@pytest.mark.parametrize("split", [0, 16, 40, 64], ids=lambda s: f"split{s}")
+def test_conv_split_output_is_the_same_values_in_two_contiguous_blocks(interp, split):
+    """`split` stores channels [0, s) and [s, C) as two contiguous blocks: bit-identical to the
+    unsplit output's columns, whichever config's channel block straddles s (BC 128 > C here: one
+    block holds both sides), with the same final conv states."""
+    lens, read, write = CASES["T65-mixed"]
+    g = torch.Generator().manual_seed(split)
+    C, W, S = 64, 4, 6
+    x = torch.randn(sum(lens), C + 8, generator=g)[:, 8:]
+    weight = torch.randn(C, W, generator=g)
+    _, pool = strided_pool(g, (S, C, W - 1))
+    start = pool.clone()  # slot 5 is read and written: every call starts from these states
+    pool_split = start.clone()
+    kw = dict(weight=weight, cu_seqlens=packed(lens), read_slots=torch.tensor(read), write_slots=torch.tensor(write))
+    whole = interp.conv.indexed_causal_conv(x=x, conv_pool=pool, **kw)
+    head, tail = interp.conv.indexed_causal_conv(x=x, conv_pool=pool_split, split=split, **kw)
+    assert head.is_contiguous() and tail.is_contiguous()
+    assert head.shape == (x.shape[0], split) and tail.shape == (x.shape[0], C - split)
+    assert torch.equal(head, whole[:, :split]) and torch.equal(tail, whole[:, split:])
+    assert torch.equal(pool_split, pool)
+    # four channel blocks of 16: whole blocks on either side, and one across s = 40
+    small = triton.Config({"BC": 16, "BS": 16}, num_warps=1)
+    head, tail = interp.conv.indexed_causal_conv(x=x, conv_pool=start.clone(), split=split, config=small, **kw)
+    assert torch.equal(head, whole[:, :split]) and torch.equal(tail, whole[:, split:])
+    with pytest.raises(ValueError, match="split"):
+        interp.conv.indexed_causal_conv(x=x, conv_pool=pool, split=C + 1, **kw)
 
 
 def scan_reference(k, w, u, g, lens, h0s):

@@ -26,8 +26,9 @@ class Ops(Protocol):
         weight: torch.Tensor,  # [C, W]
         meta: PassMeta,
         conv_pool: torch.Tensor,  # [S, C, W-1]: the last W-1 inputs of each stored sequence
-    ) -> torch.Tensor:  # [T, C] silu(conv(x)), in x's dtype
-        ...
+        split: int | None = None,  # None: one [T, C] output; s: channels [0, s) and [s, C) apart
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, C] silu(conv(x)) in x's dtype, or
+        ...  # its two channel blocks [T, s], [T, C - s] (contiguous on GPU: the model's q,k and v)
 
     def gated_delta_rule(
         self,

@@ -119,12 +119,12 @@ class GatheredOps(TritonOps):
             plans[block_size] = (meta.block_table[:, :P].clamp(min=0).reshape(-1).long(), table)
         return plans[block_size]
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
         plan = self.plan(meta)
         rows = torch.index_select(conv_pool, 0, plan.rows, out=self.buffer("conv", meta.num_seqs, conv_pool))
         return indexed_causal_conv(x=x, weight=weight, cu_seqlens=meta.cu_seqlens, conv_pool=rows,
                                    read_slots=plan.row_slots, write_slots=meta.write_slots, out_pool=conv_pool,
-                                   chunk_indices=self.prepare(meta).chunks)
+                                   chunk_indices=self.prepare(meta).chunks, split=split)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         plan, idx = self.plan(meta), self.prepare(meta)

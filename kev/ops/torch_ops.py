@@ -25,7 +25,7 @@ class TorchOps(ReferenceElementwise):
 
     name = "torch"
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
         W = weight.shape[1]
         out = torch.empty_like(x)
         for n, s, e, read, write, _ in meta.host.seqs():
@@ -39,7 +39,7 @@ class TorchOps(ReferenceElementwise):
                 out[s:e] = F.silu(y).t()
             if write >= 0:
                 conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
-        return out
+        return out if split is None else (out[:, :split], out[:, split:])
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         HV, K = v.shape[1], q.shape[2]

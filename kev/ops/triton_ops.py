@@ -79,10 +79,10 @@ class TritonOps:
         `cu_seqlens` changes in place between replays: never derive them from it)."""
         self._indices[meta] = indices
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
         return indexed_causal_conv(x=x, weight=weight, cu_seqlens=meta.cu_seqlens, conv_pool=conv_pool,
                                    read_slots=meta.read_slots, write_slots=meta.write_slots,
-                                   chunk_indices=self.prepare(meta).chunks)
+                                   chunk_indices=self.prepare(meta).chunks, split=split)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         idx = self.prepare(meta)

@@ -12,6 +12,11 @@ the only ones whose window reaches into the start state, are computed by a separ
 its chunk-0 program, which also does the final-state write, after a barrier: a sequence may read and write the same slot (a long document continuing in its slot).
 Two *different* sequences of one pass must not read and write the same slot.
 
+The output may be split by channel into two contiguous blocks (`split`): channels [0, split) as
+[T, split], the rest as [T, C - split], back to back in one buffer. The model splits q,k from v
+this way: fla's WY recompute needs v contiguous, and a column view of one [T, C] output cost a
+copy of v per DeltaNet layer (0.7 ms of a 35.8 ms busy row pass on the H200, 1.8% of the GPU time).
+
 Reference: `naive.causal_conv_reference` (and `TorchOps.causal_conv`).
 """
 
@@ -35,11 +40,11 @@ if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a G
     CONV_CONFIGS = CONV_CONFIGS[:1]
 
 
-@triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
+@triton.jit(do_not_specialize=["N_CLASS", "T_CLASS", "TAIL_BASE"])
 def indexed_conv_fwd_kernel(
     x,  # [T, C] any strides
     weight,  # [C, W]
-    y,  # [T, C] contiguous output
+    y,  # output: [T, SPLIT] then [T, C - SPLIT], each contiguous, back to back (SPLIT = C: one [T, C])
     conv_pool,  # [S, C, W-1] read by read_slots
     out_pool,  # [S', C, W-1] written by write_slots
     read_slots,  # [N]
@@ -47,6 +52,8 @@ def indexed_conv_fwd_kernel(
     cu_seqlens,  # [N + 1]
     chunk_indices,  # [NT, 2] (sequence, chunk within it)
     C,
+    SPLIT,  # channels of the output's first block
+    TAIL_BASE,  # T x SPLIT: where the second block starts in y
     stride_x_t, stride_x_c,
     stride_w_c, stride_w_w,
     stride_p_s, stride_p_c, stride_p_w,
@@ -69,7 +76,10 @@ def indexed_conv_fwd_kernel(
     t0 = i_t * BT  # first token of the chunk inside the sequence
     n_tok = tl.minimum(L - t0, BT).to(tl.int32)  # tokens of this chunk
     p_x = x + (bos + t0) * stride_x_t  # chunk base; tile offsets below stay int32
-    p_y = y + (bos + t0) * C
+    # Each channel's block: its base, the chunk's first row in it, and the row stride.
+    in_tail = o_c >= SPLIT
+    y_width = tl.where(in_tail, C - SPLIT, SPLIT).to(tl.int64)  # [BC]
+    p_y = y + tl.where(in_tail, TAIL_BASE + (o_c - SPLIT), o_c).to(tl.int64) + (bos + t0) * y_width  # [BC]
     # The sequence's first W-1 outputs also read its start state: the head step below owns them.
     n_head = tl.where(i_t == 0, W - 1, 0)
 
@@ -86,7 +96,8 @@ def indexed_conv_fwd_kernel(
             b_y += b_x * b_w[None, :]
         b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
         m_y = m_s & (o_s >= n_head)
-        tl.store(p_y + o_s[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_y[:, None] & m_c[None, :])
+        tl.store(p_y[None, :] + o_s[:, None] * y_width[None, :], b_y.to(y.dtype.element_ty),
+                 mask=m_y[:, None] & m_c[None, :])
 
     b_read = tl.load(read_slots + i_n).to(tl.int64)
     p_start = conv_pool + tl.maximum(b_read, 0) * stride_p_s + o_c * stride_p_c  # [BC]
@@ -105,7 +116,8 @@ def indexed_conv_fwd_kernel(
                           other=0.0).to(tl.float32)  # [WP, BC]
             b_y += (b_x + b_s) * b_w[None, :]
         b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
-        tl.store(p_y + o_w[:, None] * C + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_h[:, None] & m_c[None, :])
+        tl.store(p_y[None, :] + o_w[:, None] * y_width[None, :], b_y.to(y.dtype.element_ty),
+                 mask=m_h[:, None] & m_c[None, :])
 
         # the sequence's last W-1 inputs; with L < W-1 part of them is still the start state
         b_write = tl.load(write_slots + i_n).to(tl.int64)
@@ -162,7 +174,8 @@ def indexed_causal_conv(
     out_pool: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     config: triton.Config | None = None,
-) -> torch.Tensor:
+    split: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """silu(causal depthwise conv(x)) per sequence, starting from bank conv states by index.
 
     x:             [T, C] packed inputs, any dtype and strides (a column slice of a fused projection is fine)
@@ -175,7 +188,9 @@ def indexed_causal_conv(
     chunk_indices: [NT, 2] (sequence, chunk) pairs for chunks of CONV_CHUNK tokens
                    (fla's `prepare_chunk_indices(cu_seqlens, 64)`; computed, with a host sync, when None)
     config:        run this one config instead of the autotuner (tests of every config)
-    Returns y: [T, C] contiguous, x's dtype.
+    split:         None: return y [T, C]; s in [0, C]: return (y[:, :s], y[:, s:]), each contiguous
+                   (the same values: only where they are stored differs)
+    Returns y: [T, C] contiguous (or the two blocks), x's dtype.
     """
     if x.ndim != 2:
         raise ValueError(f"x must be [T, C], got {tuple(x.shape)}")
@@ -198,12 +213,17 @@ def indexed_causal_conv(
     chunk_indices = chunk_indices.contiguous()
     if chunk_indices.ndim != 2 or chunk_indices.shape[1] != 2:
         raise ValueError(f"chunk_indices must be [NT, 2], got {tuple(chunk_indices.shape)}")
-    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    if split is not None and not 0 <= split <= C:
+        raise ValueError(f"split must be in [0, C={C}], got {split}")
+    S = C if split is None else split
+    flat = torch.empty(T * C, dtype=x.dtype, device=x.device)
+    head, tail = flat[: T * S].view(T, S), flat[T * S :].view(T, C - S)
+    y = head if split is None else (head, tail)
     NT = chunk_indices.shape[0]
     if NT == 0 or C == 0:
         return y
     n_class, t_class = shape_class(N, T)
-    args = (x, weight, y, conv_pool, out_pool, read_slots, write_slots, cu_seqlens, chunk_indices, C,
+    args = (x, weight, flat, conv_pool, out_pool, read_slots, write_slots, cu_seqlens, chunk_indices, C, S, T * S,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_pool.stride(), *out_pool.stride(),
             n_class, t_class)
     meta = dict(W=W, WP=triton.next_power_of_2(W - 1), BT=CONV_CHUNK)

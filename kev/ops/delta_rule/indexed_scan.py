@@ -292,7 +292,9 @@ def indexed_chunk_gated_delta_rule(
         return v.new_empty(v.shape)
 
     q, k = l2norm_heads(q), l2norm_heads(k)  # [T, H, K] contiguous
-    v = v.contiguous()  # fla's WY recompute reads [T, HV, V] contiguous (an activation copy, never the bank)
+    # fla's WY recompute reads [T, HV, V] contiguous: the model's v already is (the conv writes it
+    # as a block of its own, kev/ops/conv/indexed_conv.py); any other caller's v is copied here.
+    v = v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     # [1, T, HV] chunk-local cumsum in log2 units (fla 0.6.0's gate convention)
     g_cum = chunk_local_cumsum(g=g[None], chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
