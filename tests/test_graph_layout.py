@@ -124,11 +124,11 @@ def test_bucket_keys():
     # rows of 3 picks and rows of 5 share the graph a start-up 'RxL' bucket captured
     (R, L, P), = parse_row_buckets("32x32")
     assert b.row_key(25, 32, 75) == b.row_key(32, 32, 160) == b.row_key(R, L, P) == GraphKey(PassKind.ROWS, 32, 32, 256)
-    assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2304)
+    assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2240) and b.state_key(1, 2241).seq_len == 2304
     assert b.state_key(5, 64) == GraphKey(PassKind.STATE, 6, 64) and b.state_key(1, 4097) is None
     assert b.state_key(64, 48) == GraphKey(PassKind.STATE, 64, 48) and b.state_key(65, 48) is None
     # a bucket exists only while D x L <= max_state_tokens (16,384)
-    assert b.state_key(6, 2200) == GraphKey(PassKind.STATE, 6, 2304) and b.state_key(7, 2200) is None
+    assert b.state_key(6, 2200) == GraphKey(PassKind.STATE, 6, 2240) and b.state_key(7, 2200) is None
     assert b.state_key(64, 256) == GraphKey(PassKind.STATE, 64, 256) and b.state_key(33, 257) is None
     assert all(D * L <= b.max_state_tokens for D in b.docs for L in b.doc_tokens if b.state_key(D, L) is not None)
     assert GraphKey(PassKind.STATE, 1, 2304).num_slots == 2 and GraphKey(PassKind.ROWS, 6, 32).num_slots == 6

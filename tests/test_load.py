@@ -294,9 +294,9 @@ def test_start_up_plans_follow_the_workloads():
     six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
     assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
     assert doc_plan([six]) == "1x48,2x48,4x48,6x48,8x48,12x48,16x48,24x48,32x48,48x48,64x48"
-    assert doc_plan([five]) == "1x2304,2x2304,4x2304,6x2304"
+    assert doc_plan([five]) == "1x2240,2x2240,4x2240,6x2240"
     both = doc_plan([six, five]).split(",")
-    assert len(both) == 15 and both[:4] == ["1x48", "1x2304", "2x48", "2x2304"]
+    assert len(both) == 15 and both[:4] == ["1x48", "1x2240", "2x48", "2x2240"]
     assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
     assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Runner
     assert longest_document([six, five]) == 2200 and longest_document([mixed]) == 512

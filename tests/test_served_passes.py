@@ -128,7 +128,7 @@ def test_scorer_bad_graph_settings(env, match):
 def test_bank_graph_settings_from_env_and_flags():
     default = BankConfig.from_env(BANK_ENV, [])
     assert default.graph_plan == GraphPlan(rows=(), docs=parse_doc_buckets(
-        "1x48,2x48,4x48,8x48,16x48,32x48,64x48,1x256,1x1024,1x2304,2x2304,4x2304,6x2304"), max_graphs=24)
+        "1x48,2x48,4x48,8x48,16x48,32x48,64x48,1x256,1x1024,1x2240,2x2240,4x2240,6x2240"), max_graphs=24)
     assert default.ops_backend == "triton" and default.redacted()["ops_backend"] == "triton"
     assert BankConfig.from_env({**BANK_ENV, "KEV_DEVICE": "cpu"}, []).ops_backend == "torch"
     assert BankConfig.from_env(BANK_ENV, ["--ops", "torch"]).ops_backend == "torch"  # explicit choice wins
