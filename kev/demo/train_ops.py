@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kev.ops import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps, l2_normalize
@@ -119,7 +120,7 @@ class SweepTrainOps(TorchOps):
             self._last = (meta, _layout(meta, device))
         return self._last[1]
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
         lay = self._layout(meta, x.device)
         W, C = weight.shape[1], x.shape[1]
         w = weight[:, None, :].to(x.dtype)
@@ -130,7 +131,7 @@ class SweepTrainOps(TorchOps):
         start = xd.gather(2, cols[:, None, :].expand(-1, C, -1))  # [Nd, C, W-1]
         xr = torch.cat([start[lay.row_doc], lay.rows.pad(x).transpose(1, 2)], dim=2)  # [Nr, C, W-1+Lr]
         yr = F.silu(F.conv1d(xr, w, groups=C)).transpose(1, 2)  # [Nr, Lr, C]
-        return lay.merge(lay.docs.unpad(yd), lay.rows.unpad(yr))
+        return channel_blocks(lay.merge(lay.docs.unpad(yd), lay.rows.unpad(yr)), split)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         lay = self._layout(meta, v.device)

@@ -17,6 +17,12 @@ import torch
 from kev.ops.meta import HostMeta, PassMeta
 
 
+def channel_blocks(y: torch.Tensor, split: int | None):
+    """`causal_conv`'s return for ops whose output is one [T, C] tensor: itself (split None), or
+    its channels [0, split) and [split, C) as two views (only the GPU kernels need them contiguous)."""
+    return y if split is None else (y[:, :split], y[:, split:])
+
+
 class Ops(Protocol):
     name: str
 

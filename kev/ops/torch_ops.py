@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kev.ops import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.meta import PassMeta
@@ -39,7 +40,7 @@ class TorchOps(ReferenceElementwise):
                 out[s:e] = F.silu(y).t()
             if write >= 0:
                 conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
-        return out if split is None else (out[:, :split], out[:, split:])
+        return channel_blocks(out, split)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         HV, K = v.shape[1], q.shape[2]
