@@ -402,3 +402,36 @@ def test_each_system_runs_its_own_sweep_or_the_common_one():
     assert sweep_of("kev", args) == [1, 8, 64] and sweep_of("baseline", args) == [1, 8, 64]
     assert sweep_of("gathered", args) == [64]
     assert sweep_of("kev", SimpleNamespace(sweep=None, clients=8)) == [8]
+
+
+def test_two_calls_merge_into_one_results_file(tmp_path):
+    """bench/load_merge.py: kev and the baseline from the first file, the gathered scorer and its
+    identity check from the second (the gathered scorer runs only on a GPU: synthetic files)."""
+    import json
+
+    from bench import load_merge
+
+    def run(clients, rps):
+        return {"clients": clients, "requests_per_s": rps, "p50_ms": 1.0, "p99_ms": 2.0, "errors": {}}
+
+    same = {"workload": "five-long", "commit": "abc1234", "gpu": "H200", "gpu_sharing": "mps", "device": "cuda",
+            "scale": 1.0}
+    first = {**same, **run(64, 27.0), "sweep": [run(1, 17.0), run(64, 27.0)], "missing": [], "complete": True,
+             "baseline": {**run(64, 3.0), "sweep": [run(64, 3.0)]}, "gathered": {"skipped": "not requested"},
+             "speedup_vs_baseline": 9.0, "startup": {"stack": 1}, "command": "first"}
+    second = {**same, **run(64, 26.0), "sweep": [run(64, 26.0)], "missing": [], "complete": True,
+              "baseline": {"skipped": "not requested"}, "gathered": {**run(64, 25.0), "sweep": [run(64, 25.0)]},
+              "gathered_bit_identical": {"identical": True}, "startup": {"stack": 2}, "command": "second"}
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    assert load_merge.main([str(a), str(b), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["requests_per_s"] == 27.0 and merged["speedup_vs_baseline"] == 9.0
+    assert merged["baseline"]["requests_per_s"] == 3.0 and merged["gathered"]["requests_per_s"] == 25.0
+    assert merged["gathered_bit_identical"] == {"identical": True} and merged["gathered_run_kev"]["requests_per_s"] == 26.0
+    assert (merged["command"], merged["gathered_command"]) == ("first", "second") and merged["complete"]
+    with pytest.raises(ValueError, match="commit differs"):
+        load_merge.merge(first, {**second, "commit": "other"})
+    with pytest.raises(ValueError, match="no complete gathered run"):
+        load_merge.merge(first, first)
