@@ -198,9 +198,7 @@ class BaselineScorer:
                 failed.append((r, w))
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        log.info("warm-up forwards: %s", ", ".join(seconds))
+        log.info("warm-up forwards: %s", ", ".join(seconds))  # each shape synchronized above
         if failed:
             limit = min(r * w for r, w in failed)
             max_batch_tokens = max((r * w for r, w in ran if r * w < limit), default=0)
