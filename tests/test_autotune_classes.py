@@ -338,6 +338,23 @@ def test_nothing_retunes_after_tuning_and_disk_cache_stays_off(stub3, monkeypatc
     assert tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 32")
 
 
+def test_configs_compile_untimed_before_the_timed_run(stub3):
+    """`tune` runs each shape twice: first every config once with no timing (the stub's benchmark
+    is not called, the class cache stays empty), then the timed run that decides."""
+    at, launch, bench = stub3
+    tuner = ClassTuner({"stub": at})
+    seen = []
+
+    def shape_run():
+        seen.append((bench.calls, len(launch.launches), len(tuner.caches(ShapeClass.ROWS_FEW)["stub"])))
+        shape_pass(at, bench, SMALL)()
+
+    tuner.tune(ShapeClass.ROWS_FEW, [shape_run])
+    assert seen[0] == (0, 0, 0) and seen[1] == (0, 4, 0), "untimed round: 3 configs once, then the launch"
+    assert bench.calls == 3 and at.do_bench is bench, "the timed round used the kernel's own benchmark"
+    assert tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 16"), "SMALL's fastest"
+
+
 def test_pick_is_deterministic_given_the_timings():
     c16, c32, c64 = (triton.Config({"BLOCK": b}) for b in (16, 32, 64))
     tie = [{c64: 2.0, c32: 1.0, c16: 1.0}, {c16: 1.0, c32: 1.0, c64: 0.0}]
@@ -428,17 +445,18 @@ def test_warm_up_tunes_each_class_over_its_shapes(stub3, monkeypatch):
     monkeypatch.setitem(CLASS_SHAPES, ShapeClass.ROWS_FEW, (ClassShape(6, 32, 48), ClassShape(5, 32, 2200)))
     runner = stub_runner(at, bench)
     assert warm_up(runner, [ShapeClass.ROWS_FEW], row_slot=2, row_prefix=2200) == [ShapeClass.ROWS_FEW]
-    assert runner.model.passes == [(ClassShape(6, 32, 48), 2, -1), (ClassShape(5, 32, 2200), 2, -1)]
+    # each shape twice: its untimed compile run, then the timed one
+    assert runner.model.passes == [(ClassShape(6, 32, 48), 2, -1)] * 2 + [(ClassShape(5, 32, 2200), 2, -1)] * 2
     assert runner.tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 32")
     assert bench.calls == 6
     no_slot = stub_runner(at, bench)  # a scorer: no slot read, the prefixes kept (synthetic pages)
     warm_up(no_slot, [ShapeClass.ROWS_FEW])
-    assert no_slot.model.passes == [(ClassShape(6, 32, 48), -1, -1), (ClassShape(5, 32, 2200), -1, -1)]
+    assert no_slot.model.passes == [(ClassShape(6, 32, 48), -1, -1)] * 2 + [(ClassShape(5, 32, 2200), -1, -1)] * 2
     assert no_slot.tuner.chosen(ShapeClass.ROWS_FEW) == runner.tuner.chosen(ShapeClass.ROWS_FEW)
     gathered = stub_runner(at, bench)  # ops that hold at most 48 prefix tokens a row: warmed at that
     gathered.ops = SimpleNamespace(max_prefix_tokens=48)
     warm_up(gathered, [ShapeClass.ROWS_FEW])
-    assert gathered.model.passes == [(ClassShape(6, 32, 48), -1, -1), (ClassShape(5, 32, 48), -1, -1)]
+    assert gathered.model.passes == [(ClassShape(6, 32, 48), -1, -1)] * 2 + [(ClassShape(5, 32, 48), -1, -1)] * 2
 
 
 def test_warm_shapes_cut_prefixes_to_the_stored_document():
@@ -475,7 +493,7 @@ def test_warm_pass_without_a_slot_reads_synthetic_pages(stub3, monkeypatch):
     runner.model = lambda tokens, meta, pools, ops, picks: (seen.append(meta), model(tokens, meta, pools, ops, picks))
     runner.model.cfg = model.cfg
     warm_up(runner, [ShapeClass.ROWS_FEW])
-    first, capped = seen
+    first, _, capped, _ = seen  # each shape twice: untimed compile, then timed
     assert first.prefix_lens.tolist() == [2200] * 5 and first.read_slots.tolist() == [-1] * 5
     pages = first.block_table[:, :35]  # 2,200 tokens = 35 pages of 64
     assert first.block_table.dtype == torch.int32 and int(pages.max()) < 100 and int(pages.min()) >= 0
