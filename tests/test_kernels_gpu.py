@@ -152,21 +152,16 @@ def test_every_autotune_config_bit_identical():
             state_pool=pool, read_slots=x["read"], write_slots=x["write"], scan_config=cfg)
         return o, pool
 
-    def attn(cfg, split=False):
+    def attn(cfg):
         kp, vp = x["pages"][0].clone(), x["pages"][1].clone()
         o = paged_prefix.paged_prefix_attention(q=x["q"], k=x["k"], v=x["v"], cu_seqlens=x["cu"],
                                                 prefix_lens=x["prefix"], key_pages=kp, value_pages=vp,
-                                                block_table=x["table"], write_slots=x["attn_write"], config=cfg,
-                                                split=split)
+                                                block_table=x["table"], write_slots=x["attn_write"], config=cfg)
         return o, kp, vp
 
-    # split mode (a program per prefix span, then the combine) with every config, against the one-program loop
-    split_runs = [(paged_prefix.ATTN_CONFIGS[0], False),
-                  *((c, True) for c in (*paged_prefix.ATTN_CONFIGS, paged_prefix.SPLIT_CONFIG))]
     for name, fn, configs in (("conv", conv, indexed_conv.CONV_CONFIGS), ("l2norm", l2, indexed_scan.L2NORM_CONFIGS),
                               ("scan", scan, indexed_scan.SCAN_CONFIGS), ("attention", attn,
-                                                                          paged_prefix.ATTN_CONFIGS),
-                              ("split attention", lambda run: attn(*run), split_runs)):
+                                                                          paged_prefix.ATTN_CONFIGS)):
         first = fn(configs[0])
         assert all(torch.isfinite(t.float()).all() for t in first), name
         for cfg in configs[1:]:

@@ -251,39 +251,6 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     assert torch.equal(kbase[outside], kbefore[outside])
 
 
-@pytest.mark.parametrize("prefixes", [[0, 0], [40, 0], [1100, 37], [300, 1531]], ids=str)
-def test_split_attention_is_bit_identical_to_one_program(interp, prefixes):
-    """Split mode (a program per prefix span, then the combine kernel) and the one-program loop
-    merge the same spans in the same order: the same bits, and the reference's values. Prefixes of
-    many key tiles give spans of several tiles and a last, shorter one; 0 has no prefix span."""
-    attn = interp.attn
-    HQ, HKV, D, BS = 4, 2, 32, 16
-    lens = [5, 19]
-    g = torch.Generator().manual_seed(sum(prefixes) + 1)
-    T, N = sum(lens), len(lens)
-    MB = -(-(max(prefixes) + max(lens)) // BS)
-    q = torch.randn(T, HQ, D, generator=g)
-    k, v = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)
-    key_pages, value_pages = torch.randn(N * MB, BS, HKV, D, generator=g), torch.randn(N * MB, BS, HKV, D, generator=g)
-    table = torch.randperm(N * MB, generator=g).view(N, MB).to(torch.int32)
-    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
-                    write_slots=torch.tensor([0, -1]), prefix_lens=torch.tensor(prefixes), block_table=table)
-    outs, pages = [], []
-    for split in (False, True):
-        kp, vp = key_pages.clone(), value_pages.clone()
-        outs.append(attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens,
-                                                prefix_lens=meta.prefix_lens, key_pages=kp, value_pages=vp,
-                                                block_table=table, write_slots=meta.write_slots, split=split,
-                                                config=attn.triton.Config({"NV": 2}, num_warps=4, num_stages=1)))
-        pages.append((kp, vp))
-    assert torch.equal(outs[0], outs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*pages)), "both modes store the own K/V alike"
-    ref_k, ref_v = key_pages.clone(), value_pages.clone()
-    ref = TorchOps().attention(q, k, v, meta, ref_k, ref_v)
-    assert rel_err(ref, outs[1]) <= 1e-5
-    assert torch.equal(pages[1][0], ref_k) and torch.equal(pages[1][1], ref_v)
-
-
 def test_attention_configs_keep_a_dot_operand():
     """The autotuner only tries value splits whose slice is still a dot operand (>= 16 features)."""
     from kev.ops.attention.paged_prefix import valid_configs
@@ -340,8 +307,7 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
 
     indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
     kernels = [indexed_conv.indexed_conv_fwd_kernel, indexed_scan.indexed_scan_fwd_kernel,
-               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel,
-               paged_prefix.paged_prefix_combine_kernel]
+               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel]
     for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
     monkeypatch.setattr(driver, "_active", FakeHopper())
@@ -380,7 +346,5 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
             value_pages=torch.zeros(S * 3, BS, HKV, D), block_table=torch.zeros(N, 4, dtype=torch.int32),
             write_slots=write, chunk_indices=attn_chunks, config=paged_prefix.ATTN_CONFIGS[0])
     assert len(keys) == len(kernels), sorted(keys)
-    # one key each; the attention has two, its one-program and its split mode (rows_few passes)
-    assert {name: len(k) for name, k in keys.items()} == {name: 1 for name in keys} | {
-        "paged_prefix_attn_fwd_kernel": 2}
+    assert {name: len(k) for name, k in keys.items()} == {name: 1 for name in keys}
     assert triton.__version__.startswith("3.6"), "kernels are written against Triton 3.6"

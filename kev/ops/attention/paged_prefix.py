@@ -13,14 +13,6 @@ so every K/V tile feeds G heads. With NV value splits (tuned) each program compu
 and accumulates BD / NV of the value features. Online softmax in fp32 (exp2), P rounded to V's dtype for the PV product
 (the reference rounds probabilities to the activations' dtype too).
 
-The keys are taken in spans: the prefix in PREFIX_SPANS spans of whole key tiles (their size follows
-from the prefix length alone), then the sequence's own keys. Each span runs its own online softmax
-from a fresh start and the spans' partials are merged in that order. Wide passes merge them inside
-one program; a pass of few query tokens (a request's rows over a long document: too few programs
-to fill the GPU, each walking the whole prefix) runs one program per span and a combine kernel
-(split mode). Both modes round every step alike, so they give the same bits: the choice between them
-is free, like the tuned configs.
-
 Reference: the loop in `TorchOps.attention`.
 """
 
@@ -31,7 +23,6 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
-from kev.ops.autotune import ShapeClass, classify
 from kev.ops.conv.indexed_conv import shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
@@ -51,44 +42,64 @@ ATTN_CONFIGS = [
 if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
     ATTN_CONFIGS = ATTN_CONFIGS[:1]
 
-PREFIX_SPANS = 8  # spans of the prefix (fixed, like BN: the merge order depends on it)
-# Split mode runs the rows_few class (one request's rows: <= 8 sequences of <= 128 tokens) with this
-# one config, not autotuned: its programs are short and many (5 rows x 32 tokens over 2,200: 720
-# programs of 9 key tiles), and the class then never launches the one-program autotuner, so no class
-# cache lacks its key. Its fp32 workspace is (PREFIX_SPANS + 1) x T x Hq x D: 28 MB for 192 tokens at
-# Kev-4B's 16 x 256, 151 MB at the class's widest (8 x 128); CUDA graphs share one pool.
-SPLIT_CONFIG = triton.Config({"NV": 2}, num_warps=4, num_stages=2)
-
 
 def query_block(group: int) -> int:
     """Query tokens per program: about 64 stacked rows (G heads per token), at least 16 tokens."""
     return max(16, 64 // triton.next_power_of_2(group))
 
 
-@triton.jit
-def _merge(b_m, b_l, b_acc, m_s, l_s, acc_s):
-    """Fold one span's partial (max, sum, unnormalised output) into the running one. Explicit fmas:
-    the one-program loop and the combine kernel must round every merge the same way."""
-    b_m_new = tl.maximum(b_m, m_s)
-    b_alpha = tl.exp2(b_m - b_m_new)
-    b_beta = tl.exp2(m_s - b_m_new)
-    b_l = tl.fma(b_l, b_alpha, l_s * b_beta)
-    b_acc = tl.fma(b_acc, b_alpha[:, None], acc_s * b_beta[:, None])
-    return b_m_new, b_l, b_acc
+@triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
+def paged_prefix_attn_fwd_kernel(
+    q,  # [T, Hq, D]
+    k, v,  # [T, Hkv, D]
+    o,  # [T, Hq, D] contiguous out
+    key_pages, value_pages,  # [NB, BS, Hkv, D] read through read_table
+    out_key_pages, out_value_pages,  # [NB', BS, Hkv, D] written through write_table
+    read_table, write_table,  # [N, MB] int page ids
+    prefix_lens, write_slots,  # [N]
+    cu_seqlens,  # [N + 1]
+    chunk_indices,  # [NT, 2] chunks of BM tokens
+    qk_scale,  # D^-0.5 * log2(e)
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
+    stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h,
+    stride_rt_n, stride_wt_n,
+    N_CLASS, T_CLASS,  # shape-class autotune keys only
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr,
+):
+    BV: tl.constexpr = BD // NV
+    i_ct, i_kvh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    prefix = tl.load(prefix_lens + i_n).to(tl.int64)
 
+    o_d = tl.arange(0, BD)  # q/k features: the scores use all of them
+    m_d = o_d < D
+    if NV == 1:
+        o_v = o_d
+    else:
+        o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
+    m_v = o_v < D
+    o_r = tl.arange(0, BR)  # stacked rows: token r // G, head r % G
+    t_r = i_t * BM + o_r // G  # [BR] token index inside the sequence
+    h_r = i_kvh * G + o_r % G  # [BR] query head
+    m_r = (o_r < BM * G) & (t_r < L)
+    p_q = q + (bos + t_r)[:, None] * stride_q_t + h_r[:, None] * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BR, BD]
 
-@triton.jit
-def _prefix_span(b_q, key_pages, value_pages, p_rt, lo, hi, i_kvh, o_d, m_d, o_v, m_v, qk_scale,
-                 stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
-                 BR: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
-    """Online softmax over prefix keys [lo, hi), page by page through the block table, from a fresh start."""
     b_m = tl.full([BR], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
     b_l = tl.zeros([BR], dtype=tl.float32)
     b_acc = tl.zeros([BR, BV], dtype=tl.float32)
     o_n = tl.arange(0, BN)
-    for start in range(lo, hi, BN):
+
+    # the document prefix, page by page through the block table
+    p_rt = read_table + i_n * stride_rt_n
+    for start in range(0, prefix, BN):
         o_p = start + o_n
-        m_p = o_p < hi
+        m_p = o_p < prefix
         b_page = tl.load(p_rt + o_p // BS, mask=m_p, other=0).to(tl.int64)  # [BN]
         p_k = key_pages + b_page[None, :] * stride_kp_b + (o_p % BS)[None, :] * stride_kp_s \
             + i_kvh * stride_kp_h + o_d[:, None]
@@ -106,18 +117,8 @@ def _prefix_span(b_q, key_pages, value_pages, p_rt, lo, hi, i_kvh, o_d, m_d, o_v
         # [BR, BN] @ [BN, BV] -> [BR, BV]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
-    return b_m, b_l, b_acc
 
-
-@triton.jit
-def _own_span(b_q, k, v, bos, L, i_t, t_r, i_kvh, o_d, m_d, o_v, m_v, qk_scale,
-              stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-              BR: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Online softmax over the sequence's own keys, causally, from a fresh start."""
-    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)
-    b_l = tl.zeros([BR], dtype=tl.float32)
-    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
-    o_n = tl.arange(0, BN)
+    # the sequence's own keys, causally
     hi = tl.minimum((i_t + 1) * BM, L)
     for start in range(0, hi, BN):
         o_j = start + o_n
@@ -136,147 +137,26 @@ def _own_span(b_q, k, v, bos, L, i_t, t_r, i_kvh, o_d, m_d, o_v, m_v, qk_scale,
         # [BR, BN] @ [BN, BV] -> [BR, BV]
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
-    return b_m, b_l, b_acc
 
-
-@triton.jit(do_not_specialize=["T", "N_CLASS", "T_CLASS"])
-def paged_prefix_attn_fwd_kernel(
-    q,  # [T, Hq, D]
-    k, v,  # [T, Hkv, D]
-    o,  # [T, Hq, D] contiguous out (one-program mode)
-    ws_acc, ws_ml,  # split mode: [NS + 1, T, Hq, D] fp32 partial outputs, [NS + 1, 2, T, Hq] fp32 max / sum
-    key_pages, value_pages,  # [NB, BS, Hkv, D] read through read_table
-    out_key_pages, out_value_pages,  # [NB', BS, Hkv, D] written through write_table
-    read_table, write_table,  # [N, MB] int page ids
-    prefix_lens, write_slots,  # [N]
-    cu_seqlens,  # [N + 1]
-    chunk_indices,  # [NT, 2] chunks of BM tokens
-    qk_scale,  # D^-0.5 * log2(e)
-    T,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
-    stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h,
-    stride_rt_n, stride_wt_n,
-    N_CLASS, T_CLASS,  # shape-class autotune keys only
-    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr,
-    NS: tl.constexpr, SPLIT: tl.constexpr,
-):
-    BV: tl.constexpr = BD // NV
-    i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
-    if SPLIT:
-        i_v, i_s = tl.program_id(2) // (NS + 1), tl.program_id(2) % (NS + 1)
-    else:
-        i_v, i_s = tl.program_id(2), NS
-    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    prefix = tl.load(prefix_lens + i_n).to(tl.int64)
-    # The prefix splits into NS spans of whole key tiles; only the prefix length decides them.
-    span = tl.cdiv(tl.cdiv(prefix, BN), NS) * BN
-    n_spans = tl.cdiv(prefix, tl.maximum(span, 1))  # the non-empty ones
-
-    o_d = tl.arange(0, BD)  # q/k features: the scores use all of them
-    m_d = o_d < D
-    if NV == 1:
-        o_v = o_d
-    else:
-        o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
-    m_v = o_v < D
-    o_r = tl.arange(0, BR)  # stacked rows: token r // G, head r % G
-    t_r = i_t * BM + o_r // G  # [BR] token index inside the sequence
-    h_r = i_kvh * G + o_r % G  # [BR] query head
-    m_r = (o_r < BM * G) & (t_r < L)
-    p_q = q + (bos + t_r)[:, None] * stride_q_t + h_r[:, None] * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BR, BD]
-    p_rt = read_table + i_n * stride_rt_n
-
-    if SPLIT:  # one span per program (an empty span's loop runs no step); its partial goes to the workspace
-        if i_s < NS:
-            b_m, b_l, b_acc = _prefix_span(b_q, key_pages, value_pages, p_rt, i_s * span,
-                                           tl.minimum((i_s + 1) * span, prefix), i_kvh, o_d, m_d, o_v, m_v,
-                                           qk_scale, stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b,
-                                           stride_vp_s, stride_vp_h, BR, BV, BS, BN)
-        else:
-            b_m, b_l, b_acc = _own_span(b_q, k, v, bos, L, i_t, t_r, i_kvh, o_d, m_d, o_v, m_v, qk_scale,
-                                        stride_k_t, stride_k_h, stride_v_t, stride_v_h, BR, BV, BM, BN)
-        m_w = m_r & ((i_s == NS) | (i_s < n_spans))  # an empty span's program stores nothing: the combine skips it
-        row = (i_s * T + bos + t_r) * HQ + h_r  # [BR] partial row (span, token, head)
-        tl.store(ws_acc + row[:, None] * D + o_v[None, :], b_acc, mask=m_w[:, None] & m_v[None, :])
-        if i_v == 0:
-            p_ml = ws_ml + (i_s * 2 * T + bos + t_r) * HQ + h_r
-            tl.store(p_ml, b_m, mask=m_w)
-            tl.store(p_ml + T * HQ, b_l, mask=m_w)
-    else:  # every span in this program, merged in the order the combine kernel merges them
-        b_m = tl.full([BR], -1.0e30, dtype=tl.float32)
-        b_l = tl.zeros([BR], dtype=tl.float32)
-        b_acc = tl.zeros([BR, BV], dtype=tl.float32)
-        for j in range(n_spans):
-            m_s, l_s, acc_s = _prefix_span(b_q, key_pages, value_pages, p_rt, j * span,
-                                           tl.minimum((j + 1) * span, prefix), i_kvh, o_d, m_d, o_v, m_v,
-                                           qk_scale, stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b,
-                                           stride_vp_s, stride_vp_h, BR, BV, BS, BN)
-            b_m, b_l, b_acc = _merge(b_m, b_l, b_acc, m_s, l_s, acc_s)
-        m_s, l_s, acc_s = _own_span(b_q, k, v, bos, L, i_t, t_r, i_kvh, o_d, m_d, o_v, m_v, qk_scale,
-                                    stride_k_t, stride_k_h, stride_v_t, stride_v_h, BR, BV, BM, BN)
-        b_m, b_l, b_acc = _merge(b_m, b_l, b_acc, m_s, l_s, acc_s)
-        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-        p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
-
-    if i_s == NS:  # the block's own K/V into its pages, once per (token, kv head, feature slice)
-        b_write = tl.load(write_slots + i_n)
-        o_tw = i_t * BM + tl.arange(0, BM)
-        m_tw = (o_tw < L) & (b_write >= 0)
-        pos = prefix + o_tw
-        b_wpage = tl.load(write_table + i_n * stride_wt_n + pos // BS, mask=m_tw, other=0).to(tl.int64)
-        m_kv = m_tw[:, None] & m_v[None, :]
-        b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_v[None, :], mask=m_kv)
-        p_ok = out_key_pages + b_wpage[:, None] * stride_okp_b + (pos % BS)[:, None] * stride_okp_s \
-            + i_kvh * stride_okp_h + o_v[None, :]
-        tl.store(p_ok, b_k_own.to(out_key_pages.dtype.element_ty), mask=m_kv)
-        b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :], mask=m_kv)
-        p_ov = out_value_pages + b_wpage[:, None] * stride_ovp_b + (pos % BS)[:, None] * stride_ovp_s \
-            + i_kvh * stride_ovp_h + o_v[None, :]
-        tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
-
-
-@triton.jit(do_not_specialize=["T"])
-def paged_prefix_combine_kernel(
-    o,  # [T, Hq, D] contiguous out
-    ws_acc, ws_ml,  # the split mode's partials (see paged_prefix_attn_fwd_kernel)
-    prefix_lens, cu_seqlens, chunk_indices,
-    T,
-    HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr,
-):
-    """Merges the non-empty prefix spans, then the own span, of one (query block, head)."""
-    i_ct, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    prefix = tl.load(prefix_lens + i_n).to(tl.int64)
-    span = tl.cdiv(tl.cdiv(prefix, BN), NS) * BN
-    n_spans = tl.cdiv(prefix, tl.maximum(span, 1))
-    t_r = i_t * BM + tl.arange(0, BM)
-    m_r = t_r < L
-    o_d = tl.arange(0, BD)
-    m_o = m_r[:, None] & (o_d < D)[None, :]
-    b_m = tl.full([BM], -1.0e30, dtype=tl.float32)
-    b_l = tl.zeros([BM], dtype=tl.float32)
-    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    for j in range(n_spans + 1):
-        i_s = tl.where(j < n_spans, j, NS)  # the prefix spans in order, then the own span
-        row = (i_s * T + bos + t_r) * HQ + i_h
-        p_ml = ws_ml + (i_s * 2 * T + bos + t_r) * HQ + i_h
-        m_s = tl.load(p_ml, mask=m_r, other=-1.0e30)
-        l_s = tl.load(p_ml + T * HQ, mask=m_r, other=0.0)
-        acc_s = tl.load(ws_acc + row[:, None] * D + o_d[None, :], mask=m_o, other=0.0)
-        b_m, b_l, b_acc = _merge(b_m, b_l, b_acc, m_s, l_s, acc_s)
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    p_o = o + (bos + t_r)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
+    p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+
+    # the block's own K/V into its pages, once per (token, kv head, feature slice)
+    b_write = tl.load(write_slots + i_n)
+    o_tw = i_t * BM + tl.arange(0, BM)
+    m_tw = (o_tw < L) & (b_write >= 0)
+    pos = prefix + o_tw
+    b_wpage = tl.load(write_table + i_n * stride_wt_n + pos // BS, mask=m_tw, other=0).to(tl.int64)
+    m_kv = m_tw[:, None] & m_v[None, :]
+    b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_v[None, :], mask=m_kv)
+    p_ok = out_key_pages + b_wpage[:, None] * stride_okp_b + (pos % BS)[:, None] * stride_okp_s \
+        + i_kvh * stride_okp_h + o_v[None, :]
+    tl.store(p_ok, b_k_own.to(out_key_pages.dtype.element_ty), mask=m_kv)
+    b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :], mask=m_kv)
+    p_ov = out_value_pages + b_wpage[:, None] * stride_ovp_b + (pos % BS)[:, None] * stride_ovp_s \
+        + i_kvh * stride_ovp_h + o_v[None, :]
+    tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
 
 
 def valid_configs(configs, named_args, **kwargs):
@@ -307,7 +187,6 @@ def paged_prefix_attention(
     scale: float | None = None,
     config: triton.Config | None = None,
     block_n: int | None = None,
-    split: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
 
@@ -321,11 +200,9 @@ def paged_prefix_attention(
     chunk_indices: [NT, 2] fla's prepare_chunk_indices(cu_seqlens, query_block(Hq // Hkv));
                    computed (host sync) when None
     scale:         default D^-0.5
-    config:        run this one config instead of the autotuner (or instead of SPLIT_CONFIG)
+    config:        run this one config instead of the autotuner
     block_n:       keys per inner step (default: 64 for head dims <= 128, else 32); the online-softmax
                    order depends on it, so it is fixed per head dim and never autotuned (benchmarks only)
-    split:         one program per prefix span, then a combine kernel (default: for rows_few passes);
-                   the same bits either way
     Returns o: [T, Hq, D] contiguous, q's dtype.
     """
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
@@ -367,32 +244,22 @@ def paged_prefix_attention(
     NT = chunk_indices.shape[0]
     if NT == 0:
         return o
-    split = classify(N, T) is ShapeClass.ROWS_FEW if split is None else split
     scale = D ** -0.5 if scale is None else scale
     BD = max(32, triton.next_power_of_2(D))  # >= 32: a value split of BD / 2 is still a dot operand
-    if split:
-        ws_acc = torch.empty((PREFIX_SPANS + 1, T, HQ, D), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((PREFIX_SPANS + 1, 2, T, HQ), dtype=torch.float32, device=q.device)
-    else:
-        ws_acc = ws_ml = o  # not touched
     n_class, t_class = shape_class(N, T)
-    args = (q, k, v, o, ws_acc, ws_ml, key_pages, value_pages, out_key_pages, out_value_pages, block_table,
-            write_table, prefix_lens, write_slots, cu_seqlens, chunk_indices, scale * 1.4426950408889634, T,
+    args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
+            prefix_lens, write_slots, cu_seqlens, chunk_indices, scale * 1.4426950408889634,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *key_pages.stride()[:3], *value_pages.stride()[:3], *out_key_pages.stride()[:3],
             *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
-    BN = block_n or (64 if BD <= 128 else 32)
-    meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)), BN=BN,
-                NS=PREFIX_SPANS, SPLIT=split)
+    meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
+                BN=block_n or (64 if BD <= 128 else 32))
 
-    if split:
-        cfg = config or SPLIT_CONFIG
-        paged_prefix_attn_fwd_kernel[(NT, HKV, cfg.kwargs["NV"] * (PREFIX_SPANS + 1))](*args, **meta,
-                                                                                     **cfg.all_kwargs())
-        paged_prefix_combine_kernel[(NT, HQ)](o, ws_acc, ws_ml, prefix_lens, cu_seqlens, chunk_indices, T, HQ=HQ,
-                                             D=D, BD=BD, BM=BM, BN=BN, NS=PREFIX_SPANS, num_warps=4)
-    elif config is None:
-        _tuned_attn_kernel[lambda m: (NT, HKV, m["NV"])](*args, **meta)
+    def grid(m):  # (query blocks, kv heads, value splits)
+        return (NT, HKV, m["NV"])
+
+    if config is None:
+        _tuned_attn_kernel[grid](*args, **meta)
     else:
-        paged_prefix_attn_fwd_kernel[(NT, HKV, config.kwargs["NV"])](*args, **meta, **config.all_kwargs())
+        paged_prefix_attn_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
     return o
