@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 5's GPU batch in one device call (~6 minutes on the H200): the GPU tests, the single-request
+# Issue 5's GPU batch in one device call (~7 minutes on the H200): the GPU tests, the single-request
 # figures with their profile, and the shape-class config map, each under its own time limit, each
-# writing its log and results under $OUT (six files: within what the device tool brings back).
+# writing its log and results under $OUT (eight files: within what the device tool brings back).
 # One step failing or running out of time does not stop the others.
 #
 # On the device machine, from the repository root, carrying .whl (bench/device_carry.sh builds it):
@@ -23,6 +23,7 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log,
 
 step gpu_tests 330 python3 -m pytest -q tests/test_graphs_gpu.py tests/test_served_passes_gpu.py \
     tests/test_kernels_gpu.py tests/test_state_pass_gpu.py tests/test_shared_bank.py
+step attention_ab 90 python3 -m bench.attention_ab --out "$OUT/attention_ab.json"
 step single_request 200 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
     --profile-out "$OUT/single_request_profile.txt"
 step autotune_map 170 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json"

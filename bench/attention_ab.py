@@ -1,0 +1,121 @@
+"""Attention over new documents: the paged kernel against torch's SDPA (flash), side by side.
+
+A state pass of new documents has no prefix, so its attention is plain causal attention over
+each document. This bench times, on Kev-4B heads (16 query heads, 4 kv heads, head dim 256, bf16):
+- `paged_prefix_attention` at every config (it also stores the documents' K/V into pages), and
+- `torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the
+  documents as a [docs, heads, tokens, dim] view, flash backend only, plus the page store it
+  would then need (`index_copy_` of K and V into the pages).
+Each candidate is captured in a CUDA graph (10 calls) and timed by replay, so host work is not
+in the figures. The outputs are checked against each other (relative error).
+
+    python -m bench.attention_ab --out bench/results/attention_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.common import cuda_ms, kev4b_config, run_info, write_json
+from kev.ops.attention import paged_prefix
+
+DEVICE = "cuda"
+BS = 64  # K/V page size
+SHAPES = [(1, 2240), (1, 8192), (6, 2240), (16, 2048)]  # (documents, tokens each)
+CALLS = 10  # calls per captured graph
+
+
+def graph_us(fn) -> float:
+    """Median microseconds of one call, from replays of a graph of CALLS calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    return statistics.median(cuda_ms(graph.replay, 15)) * 1e3 / CALLS
+
+
+def case(cfg, docs: int, tokens: int, gen) -> dict:
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    T = docs * tokens
+    dev = dict(device=DEVICE, generator=gen)
+    q = torch.randn(T, Hq, D, **dev).bfloat16()
+    k, v = (torch.randn(T, Hkv, D, **dev).bfloat16() for _ in range(2))
+    per = -(-tokens // BS)
+    key_pages = torch.zeros(docs * per, BS, Hkv, D, device=DEVICE, dtype=torch.bfloat16)
+    value_pages = torch.zeros_like(key_pages)
+    as_long = dict(dtype=torch.int64, device=DEVICE)
+    table = torch.arange(docs * per, dtype=torch.int32, device=DEVICE).view(docs, per)
+    cu = torch.arange(docs + 1, **as_long) * tokens
+    zeros, slots = torch.zeros(docs, **as_long), torch.arange(docs, **as_long)
+    block = paged_prefix.query_block(Hq // Hkv)
+    n_blocks = -(-tokens // block)
+    chunks = torch.stack([torch.arange(docs, **as_long).repeat_interleave(n_blocks),
+                          torch.arange(n_blocks, **as_long).repeat(docs)], 1)
+
+    def paged(config):
+        return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros,
+                                                   key_pages=key_pages, value_pages=value_pages, block_table=table,
+                                                   write_slots=slots, chunk_indices=chunks, config=config)
+
+    # token t of document n lives at page table[n, t // BS], row t % BS: with these tables, flat page rows
+    page_rows = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEVICE)).flatten(1)[:, :tokens].flatten()
+
+    def sdpa():
+        qd = q.view(docs, tokens, Hq, D).transpose(1, 2)
+        kd, vd = (t.view(docs, tokens, Hkv, D).transpose(1, 2) for t in (k, v))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+        key_pages.view(-1, Hkv, D).index_copy_(0, page_rows, k)
+        value_pages.view(-1, Hkv, D).index_copy_(0, page_rows, v)
+        return o.transpose(1, 2).reshape(T, Hq, D)
+
+    out = {"docs": docs, "tokens": tokens,
+           "causal_tflop": 2 * 2 * docs * tokens * (tokens + 1) / 2 * Hq * D / 1e12}
+    paged_us = {str(c): graph_us(lambda c=c: paged(c)) for c in paged_prefix.ATTN_CONFIGS
+                if paged_prefix.valid_configs([c], {}, BD=max(32, D))}
+    best = min(paged_us, key=paged_us.get)
+    out["paged_us"], out["paged_best_config"], out["paged_configs_us"] = paged_us[best], best, paged_us
+    try:
+        out["sdpa_flash_us"] = graph_us(sdpa)
+        ref = paged(paged_prefix.ATTN_CONFIGS[0]).float()
+        out["sdpa_rel_err_vs_paged"] = ((sdpa().float() - ref).norm() / ref.norm()).item()
+        out["paged_over_sdpa"] = out["paged_us"] / out["sdpa_flash_us"]
+    except RuntimeError as e:  # no flash kernel for this shape / GPU
+        out["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name in ("paged_us", "sdpa_flash_us"):
+        if name in out:
+            out[name.replace("_us", "_tflops")] = out["causal_tflop"] / (out[name] * 1e-6)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/attention_ab.json")
+    args = ap.parse_args()
+    cfg = kev4b_config()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    result = {**run_info(), "calls_per_graph": CALLS, "cases": []}
+    for docs, tokens in SHAPES:
+        entry = case(cfg, docs, tokens, gen)
+        result["cases"].append(entry)
+        print(f"{docs}x{tokens}: paged {entry['paged_us']:.1f} us ({entry.get('paged_tflops', 0):.0f} TFLOP/s), "
+              f"sdpa flash {entry.get('sdpa_flash_us', float('nan')):.1f} us "
+              f"({entry.get('sdpa_flash_tflops', 0):.0f} TFLOP/s) {entry.get('sdpa_error', '')}", flush=True)
+        torch.cuda.empty_cache()
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
