@@ -1,13 +1,14 @@
-"""Attention over new documents: the paged kernel against torch's SDPA (flash), side by side.
+"""Paged attention side by side, on Kev-4B heads (16 query heads, 4 kv heads, head dim 256, bf16).
 
-A state pass of new documents has no prefix, so its attention is plain causal attention over
-each document. This bench times, on Kev-4B heads (16 query heads, 4 kv heads, head dim 256, bf16):
-- `paged_prefix_attention` at every config (it also stores the documents' K/V into pages), and
-- `torch.nn.functional.scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on the
-  documents as a [docs, heads, tokens, dim] view, flash backend only, plus the page store it
-  would then need (`index_copy_` of K and V into the pages).
+1. New documents: a state pass has no prefix, so its attention is plain causal attention over
+   each document. `paged_prefix_attention` at every config (it also stores the documents' K/V
+   into pages) against `torch.nn.functional.scaled_dot_product_attention(is_causal=True,
+   enable_gqa=True)` on the documents as a [docs, heads, tokens, dim] view, flash backend only,
+   plus the page store it would then need (`index_copy_` of K and V into the pages).
+2. Rows over stored documents: the one-program kernel against split mode (a program per prefix
+   span, then the finish kernel), every config of each.
 Each candidate is captured in a CUDA graph (10 calls) and timed by replay, so host work is not
-in the figures. The outputs are checked against each other (relative error).
+in the figures. Outputs are compared (relative error).
 
     python -m bench.attention_ab --out bench/results/attention_ab.json
 """
@@ -27,6 +28,8 @@ from kev.ops.attention import paged_prefix
 DEVICE = "cuda"
 BS = 64  # K/V page size
 SHAPES = [(1, 2240), (1, 8192), (6, 2240), (16, 2048)]  # (documents, tokens each)
+# (rows, tokens each, prefix tokens): rows_few's shapes (split mode serves them) and its widest
+ROW_SHAPES = [(1, 16, 2200), (6, 32, 48), (5, 32, 2200), (6, 32, 2200), (8, 64, 2200), (8, 128, 2200)]
 CALLS = 10  # calls per captured graph
 
 
@@ -100,6 +103,43 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
     return out
 
 
+def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    T = rows * tokens
+    dev = dict(device=DEVICE, generator=gen)
+    q = torch.randn(T, Hq, D, **dev).bfloat16()
+    k, v = (torch.randn(T, Hkv, D, **dev).bfloat16() for _ in range(2))
+    per = -(-(prefix + tokens) // BS)
+    key_pages = (torch.randn(rows * per, BS, Hkv, D, **dev) * 0.5).bfloat16()
+    value_pages = torch.randn(rows * per, BS, Hkv, D, **dev).bfloat16()
+    as_long = dict(dtype=torch.int64, device=DEVICE)
+    table = torch.randperm(rows * per, device=DEVICE).to(torch.int32).view(rows, per)  # scattered pages
+    cu = torch.arange(rows + 1, **as_long) * tokens
+    block = paged_prefix.query_block(Hq // Hkv)
+    n_blocks = -(-tokens // block)
+    chunks = torch.stack([torch.arange(rows, **as_long).repeat_interleave(n_blocks),
+                          torch.arange(n_blocks, **as_long).repeat(rows)], 1)
+    prefixes, no_write = torch.full((rows,), prefix, **as_long), torch.full((rows,), -1, **as_long)
+
+    def attn(split, config):
+        return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes,
+                                                   key_pages=key_pages, value_pages=value_pages, block_table=table,
+                                                   write_slots=no_write, chunk_indices=chunks, split=split,
+                                                   config=config)
+
+    out = {"rows": rows, "tokens": tokens, "prefix": prefix}
+    configs = [c for c in paged_prefix.ATTN_CONFIGS if paged_prefix.valid_configs([c], {}, BD=max(32, D))]
+    ref = attn(False, configs[0]).float()
+    for name, split in (("one_program", False), ("split", True)):
+        us = {str(c): graph_us(lambda c=c: attn(split, c)) for c in configs}
+        best = min(us, key=us.get)
+        got = attn(split, configs[0]).float()
+        out[name] = {"best_us": us[best], "best_config": best, "configs_us": us,
+                     "rel_err_vs_one_program": ((got - ref).norm() / ref.norm()).item()}
+    out["one_program_over_split"] = out["one_program"]["best_us"] / out["split"]["best_us"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/attention_ab.json")
@@ -113,6 +153,14 @@ def main():
         print(f"{docs}x{tokens}: paged {entry['paged_us']:.1f} us ({entry.get('paged_tflops', 0):.0f} TFLOP/s), "
               f"sdpa flash {entry.get('sdpa_flash_us', float('nan')):.1f} us "
               f"({entry.get('sdpa_flash_tflops', 0):.0f} TFLOP/s) {entry.get('sdpa_error', '')}", flush=True)
+        torch.cuda.empty_cache()
+    result["rows"] = []
+    for rows, tokens, prefix in ROW_SHAPES:
+        entry = row_case(cfg, rows, tokens, prefix, gen)
+        result["rows"].append(entry)
+        print(f"{rows}x{tokens}@{prefix}: one program {entry['one_program']['best_us']:.1f} us, split "
+              f"{entry['split']['best_us']:.1f} us ({entry['split']['best_config']}), rel err "
+              f"{entry['split']['rel_err_vs_one_program']:.1e}", flush=True)
         torch.cuda.empty_cache()
     write_json(args.out, result)
 

@@ -117,3 +117,15 @@ def stored_then_rows(model, named_ops, docs, write_slots, rows, read_slots, doc_
         assert all(torch.equal(b, a) for b, a in zip(before, pools.tensors())), f"{name}: a row pass wrote the bank"
         banks[name] = pools
     return outs, banks
+
+
+SPLIT_ATTENTION = {"paged_prefix_span", "paged_prefix_finish"}  # paged attention's split mode
+
+
+def class_launches(cls, names) -> set[str]:
+    """The hot kernels (of `names`) a pass of class `cls` launches: every one but paged
+    attention's other mode (split for rows_few passes alone, `kev.ops.triton_ops.split_attention`)."""
+    from kev.ops.autotune import ShapeClass
+
+    skip = {"paged_prefix_attention"} if cls is ShapeClass.ROWS_FEW else SPLIT_ATTENTION
+    return set(names) - skip

@@ -15,6 +15,8 @@ gate/up are column views of one buffer) and the fused norm/activation kernels of
 - the fused model ~= the same weights unfused; graph replays == eager passes bit for bit.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -152,16 +154,18 @@ def test_every_autotune_config_bit_identical():
             state_pool=pool, read_slots=x["read"], write_slots=x["write"], scan_config=cfg)
         return o, pool
 
-    def attn(cfg):
+    def attn(cfg, split=False):
         kp, vp = x["pages"][0].clone(), x["pages"][1].clone()
         o = paged_prefix.paged_prefix_attention(q=x["q"], k=x["k"], v=x["v"], cu_seqlens=x["cu"],
                                                 prefix_lens=x["prefix"], key_pages=kp, value_pages=vp,
-                                                block_table=x["table"], write_slots=x["attn_write"], config=cfg)
+                                                block_table=x["table"], write_slots=x["attn_write"], config=cfg,
+                                                split=split)
         return o, kp, vp
 
     for name, fn, configs in (("conv", conv, indexed_conv.CONV_CONFIGS), ("l2norm", l2, indexed_scan.L2NORM_CONFIGS),
                               ("scan", scan, indexed_scan.SCAN_CONFIGS), ("attention", attn,
-                                                                          paged_prefix.ATTN_CONFIGS)):
+                                                                          paged_prefix.ATTN_CONFIGS),
+                              ("split attention", functools.partial(attn, split=True), paged_prefix.ATTN_CONFIGS)):
         first = fn(configs[0])
         assert all(torch.isfinite(t.float()).all() for t in first), name
         for cfg in configs[1:]:
@@ -200,15 +204,17 @@ def test_kernels_match_references():
     print("delta rule rel err:", rel_err(o_ref, o), rel_err(ref_spool, spool))
     assert rel_err(o_ref, o) <= 2e-2 and rel_err(ref_spool, spool) <= 2e-2
 
-    kp, vp = x["pages"][0].clone(), x["pages"][1].clone()
-    rkp, rvp = kp.clone(), vp.clone()
     wmeta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=x["attn_write"], prefix_lens=x["prefix"],
                      block_table=x["table"])
-    a = paged_prefix_attention(q=x["q"], k=x["k"], v=x["v"], cu_seqlens=cu, prefix_lens=x["prefix"], key_pages=kp,
-                               value_pages=vp, block_table=x["table"], write_slots=wmeta.write_slots)
-    a_ref = TorchOps().attention(x["q"], x["k"], x["v"], wmeta, rkp, rvp)
-    print("attention rel err:", rel_err(a_ref, a))
-    assert rel_err(a_ref, a) <= 2e-2 and torch.equal(kp, rkp) and torch.equal(vp, rvp)
+    for split in (False, True):  # the one-program loop and split mode (a program per prefix span)
+        kp, vp = x["pages"][0].clone(), x["pages"][1].clone()
+        rkp, rvp = kp.clone(), vp.clone()
+        a = paged_prefix_attention(q=x["q"], k=x["k"], v=x["v"], cu_seqlens=cu, prefix_lens=x["prefix"],
+                                   key_pages=kp, value_pages=vp, block_table=x["table"],
+                                   write_slots=wmeta.write_slots, split=split)
+        a_ref = TorchOps().attention(x["q"], x["k"], x["v"], wmeta, rkp, rvp)
+        print(f"attention (split={split}) rel err:", rel_err(a_ref, a))
+        assert rel_err(a_ref, a) <= 2e-2 and torch.equal(kp, rkp) and torch.equal(vp, rvp)
 
 
 def test_no_recompiles_over_batch_sizes(setup, monkeypatch):

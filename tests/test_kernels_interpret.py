@@ -209,18 +209,21 @@ ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
     "T1-prefix40": ([1], [40], [-1]),
     "T63-noprefix-write": ([63], [0], [0]),
     "T65-mixed": ([65, 1, 17], [5, 40, 16], [1, -1, 2]),
+    "T9-longprefix": ([4, 5], [1100, 127], [-1, 1]),  # split mode: spans of 3 key tiles, a short last one
 }
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize("nv", [1, 2, 4], ids=lambda n: f"nv{n}")
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("case", ATTN_CASES, ids=list(ATTN_CASES))
-def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads, nv):
+def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads, nv, split):
     """nv: the value features split over that many programs (an autotuned config; 4 needs a head
-    dim of 64 or more, see `valid_configs`)."""
+    dim of 64 or more, see `valid_configs`). split: a program per prefix span, then the finish
+    kernel (the prefixes here span 1-3 key tiles: some spans are empty)."""
     lens, prefixes, write = ATTN_CASES[case]
     HQ, HKV = heads
-    D, BS, NB = 64 if nv == 4 else 32, 16, 24
+    D, BS, NB = 64 if nv == 4 else 32, 16, 96
     g = torch.Generator().manual_seed(HQ + len(lens))
     T, N = sum(lens), len(lens)
     q = torch.randn(T, HQ, D + 8, generator=g)[..., 4:4 + D]  # strided views
@@ -229,7 +232,7 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     kbase, key_pages = strided_pool(g, (NB, BS, HKV, D))
     _, value_pages = strided_pool(g, (NB, BS, HKV, D))
     perm = torch.randperm(NB, generator=g)
-    MB, table, used = 8, [], 0
+    MB, table, used = 72, [], 0
     for L, P in zip(lens, prefixes):
         need = -(-(P + L) // BS)
         table.append(perm[used:used + need].tolist() + [-1] * (MB - need))
@@ -242,7 +245,8 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
                                              key_pages=key_pages, value_pages=value_pages,
                                              block_table=meta.block_table, write_slots=meta.write_slots,
-                                             config=interp.attn.triton.Config({"NV": nv}, num_warps=4, num_stages=1))
+                                             config=interp.attn.triton.Config({"NV": nv}, num_warps=4, num_stages=1),
+                                             split=split)
     ref = TorchOps().attention(q, k, v, meta, ref_k, ref_v)
     assert rel_err(ref, out) <= 1e-5
     assert torch.equal(key_pages, ref_k) and torch.equal(value_pages, ref_v)
@@ -307,7 +311,8 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
 
     indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
     kernels = [indexed_conv.indexed_conv_fwd_kernel, indexed_scan.indexed_scan_fwd_kernel,
-               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel]
+               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel,
+               paged_prefix.paged_prefix_span_kernel, paged_prefix.paged_prefix_finish_kernel]
     for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
     monkeypatch.setattr(driver, "_active", FakeHopper())

@@ -23,7 +23,7 @@ from kev.ops.triton_ops import TritonOps
 from kev.passes import GraphPlan, PassBuilder, PassRole
 from kev.runner import RowBatch, Runner
 from random_models import random_model
-from kernel_support import fast_hot_autotuners, kev4b_heads_config, rel_err
+from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -84,8 +84,9 @@ def row_batch(served, n_rows, row_len, picks_per_row, seed, exact=False):
 def test_start_up_warms_the_role_then_captures_its_plan(served):
     scorer, passes = served["scorer"], served["passes"]
     assert scorer.warmed == [c for c in ShapeClass if c.rows]
-    # every hot kernel has a config in every warmed class
-    assert all(len(cache) for c in scorer.warmed for cache in scorer.tuner.caches(c).values())
+    # every hot kernel a warmed class launches has a config there
+    assert all(len(scorer.tuner.caches(c)[name]) for c in scorer.warmed
+               for name in class_launches(c, scorer.tuner.autotuners))
     assert passes.graphed.graphs() == scorer.start_keys(passes.graphed.buckets) and len(passes.graphed.graphs()) == 3
     assert passes.graphed.stats is scorer.graph_stats and not passes.graphed.stats.capture_errors
     bank_builder, bank_passes = served["bank_builder"], served["bank_passes"]

@@ -144,6 +144,8 @@ def hot_autotuners() -> dict[str, Autotuner]:
         "indexed_scan": indexed_scan._tuned_scan_kernel,
         "chunk_fwd_o": chunk_fwd_kernel_o,
         "paged_prefix_attention": paged_prefix._tuned_attn_kernel,
+        "paged_prefix_span": paged_prefix._tuned_span_kernel,  # split mode (rows_few passes)
+        "paged_prefix_finish": paged_prefix._tuned_finish_kernel,
     }
     return {name: unwrap_autotuner(k) for name, k in kernels.items()}
 

@@ -31,7 +31,7 @@ from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
 from kev.ops.conv.indexed_conv import indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
 from kev.ops.meta import PassMeta
-from kev.ops.triton_ops import TritonOps
+from kev.ops.triton_ops import TritonOps, split_attention
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,4 +144,4 @@ class GatheredOps(TritonOps):
                                       key_pages=kbuf, value_pages=vbuf, block_table=row_table,
                                       write_slots=meta.write_slots, out_key_pages=key_pages,
                                       out_value_pages=value_pages, write_table=meta.block_table,
-                                      chunk_indices=chunks)
+                                      chunk_indices=chunks, split=split_attention(meta, q.shape[0]))

@@ -27,6 +27,7 @@ import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
+from kev.ops.autotune import ShapeClass
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
 from kev.ops.fused import activations, norms
@@ -47,6 +48,12 @@ class PassIndices:
         if block not in self.attn_chunks:
             self.attn_chunks[block] = prepare_chunk_indices(cu_seqlens, block)
         return self.attn_chunks[block]
+
+
+def split_attention(meta: PassMeta, num_tokens: int) -> bool:
+    """Paged attention's split mode for a pass of one request's rows (kev.ops.attention.paged_prefix),
+    chosen by the pass's class: the one it is tuned under, so the split kernels' configs are warmed."""
+    return meta.pass_class(num_tokens) is ShapeClass.ROWS_FEW
 
 
 class TritonOps:
@@ -95,4 +102,5 @@ class TritonOps:
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))
         return paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
                                       key_pages=key_pages, value_pages=value_pages, block_table=meta.block_table,
-                                      write_slots=meta.write_slots, chunk_indices=chunks)
+                                      write_slots=meta.write_slots, chunk_indices=chunks,
+                                      split=split_attention(meta, q.shape[0]))

@@ -13,6 +13,16 @@ so every K/V tile feeds G heads. With NV value splits (tuned) each program compu
 and accumulates BD / NV of the value features. Online softmax in fp32 (exp2), P rounded to V's dtype for the PV product
 (the reference rounds probabilities to the activations' dtype too).
 
+Split mode, for passes of one request's rows (the rows_few class): over a long document such a
+pass has too few programs, each walking the whole prefix (5 rows x 32 tokens over 2,200 tokens:
+80 programs of 70 key tiles, 138 us a layer on the H200, against ~2 us of K/V to read). There
+the prefix is cut into PREFIX_SPANS spans of whole key tiles (sized from the prefix length alone):
+one program per span stores its partial (max, sum, unnormalised output; `paged_prefix_span_kernel`),
+then one program per query block merges the partials in span order and goes on over its own keys
+(`paged_prefix_finish_kernel`). Its results differ from the one-program loop's in rounding, so the
+mode follows the pass's class, which padding to a CUDA-graph bucket keeps and which kev and its
+gathered variant share: replays equal eager passes and the two variants agree bit for bit.
+
 Reference: the loop in `TorchOps.attention`.
 """
 
@@ -23,6 +33,7 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
+from kev.ops.autotune import ShapeClass, classify
 from kev.ops.conv.indexed_conv import shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
@@ -42,10 +53,140 @@ ATTN_CONFIGS = [
 if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
     ATTN_CONFIGS = ATTN_CONFIGS[:1]
 
+# Split mode's prefix spans: fixed, like BN (the merge order depends on it). 5 rows x 32 tokens over
+# 2,200 then run 320-1,280 span programs (NV 1-4) of 9 key tiles. Its fp32 workspace is
+# PREFIX_SPANS x T x Hq x D: 25 MB for 192 tokens at Kev-4B's 16 x 256, 134 MB for the class's
+# widest pass (8 x 128); CUDA graphs share one pool.
+PREFIX_SPANS = 8
+
 
 def query_block(group: int) -> int:
     """Query tokens per program: about 64 stacked rows (G heads per token), at least 16 tokens."""
     return max(16, 64 // triton.next_power_of_2(group))
+
+
+@triton.jit
+def _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D: tl.constexpr, BD: tl.constexpr,
+                  G: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
+    """The block's stacked query rows [BR, BD] (row r: token r // G, head r % G), their tokens,
+    heads and mask."""
+    o_d = tl.arange(0, BD)  # q/k features: the scores use all of them
+    o_r = tl.arange(0, BR)
+    t_r = i_t * BM + o_r // G  # [BR] token index inside the sequence
+    h_r = i_kvh * G + o_r % G  # [BR] query head
+    m_r = (o_r < BM * G) & (t_r < L)
+    p_q = q + (bos + t_r)[:, None] * stride_q_t + h_r[:, None] * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & (o_d < D)[None, :], other=0.0)  # [BR, BD]
+    return b_q, t_r, h_r, m_r
+
+
+@triton.jit
+def _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, p_rt, lo, hi, i_kvh, o_v, qk_scale,
+                 stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
+                 D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+    """The online softmax (b_m, b_l, b_acc) continued over prefix keys [lo, hi), page by page
+    through the block table row `p_rt`."""
+    o_d = tl.arange(0, BD)
+    m_d, m_v = o_d < D, o_v < D
+    o_n = tl.arange(0, BN)
+    for start in range(lo, hi, BN):
+        o_p = start + o_n
+        m_p = o_p < hi
+        b_page = tl.load(p_rt + o_p // BS, mask=m_p, other=0).to(tl.int64)  # [BN]
+        p_k = key_pages + b_page[None, :] * stride_kp_b + (o_p % BS)[None, :] * stride_kp_s \
+            + i_kvh * stride_kp_h + o_d[:, None]
+        b_k = tl.load(p_k, mask=m_d[:, None] & m_p[None, :], other=0.0)  # [BD, BN]
+        # [BR, BD] @ [BD, BN] -> [BR, BN]
+        b_s = tl.dot(b_q, b_k) * qk_scale
+        b_s = tl.where(m_p[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        p_v = value_pages + b_page[:, None] * stride_vp_b + (o_p % BS)[:, None] * stride_vp_s \
+            + i_kvh * stride_vp_h + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_p[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
+        # [BR, BN] @ [BN, BV] -> [BR, BV]
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+        b_m = b_m_new
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
+              stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+              D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The online softmax continued over the sequence's own keys, causally."""
+    o_d = tl.arange(0, BD)
+    m_d, m_v = o_d < D, o_v < D
+    o_n = tl.arange(0, BN)
+    hi = tl.minimum((i_t + 1) * BM, L)
+    for start in range(0, hi, BN):
+        o_j = start + o_n
+        m_j = o_j < L
+        p_k = k + (bos + o_j)[None, :] * stride_k_t + i_kvh * stride_k_h + o_d[:, None]
+        b_k = tl.load(p_k, mask=m_d[:, None] & m_j[None, :], other=0.0)  # [BD, BN]
+        # [BR, BD] @ [BD, BN] -> [BR, BN]
+        b_s = tl.dot(b_q, b_k) * qk_scale
+        b_s = tl.where(m_j[None, :] & (o_j[None, :] <= t_r[:, None]), b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        p_v = v + (bos + o_j)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
+        # [BR, BN] @ [BN, BV] -> [BR, BV]
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+        b_m = b_m_new
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+            out_key_pages, out_value_pages, write_table, write_slots,
+            stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+            stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+            HQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
+    """Normalise and store the output; store the block's own K/V into its pages, once per
+    (token, kv head, feature slice)."""
+    m_v = o_v < D
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+
+    b_write = tl.load(write_slots + i_n)
+    o_tw = i_t * BM + tl.arange(0, BM)
+    m_tw = (o_tw < L) & (b_write >= 0)
+    pos = prefix + o_tw
+    b_wpage = tl.load(write_table + i_n * stride_wt_n + pos // BS, mask=m_tw, other=0).to(tl.int64)
+    m_kv = m_tw[:, None] & m_v[None, :]
+    b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_v[None, :], mask=m_kv)
+    p_ok = out_key_pages + b_wpage[:, None] * stride_okp_b + (pos % BS)[:, None] * stride_okp_s \
+        + i_kvh * stride_okp_h + o_v[None, :]
+    tl.store(p_ok, b_k_own.to(out_key_pages.dtype.element_ty), mask=m_kv)
+    b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :], mask=m_kv)
+    p_ov = out_value_pages + b_wpage[:, None] * stride_ovp_b + (pos % BS)[:, None] * stride_ovp_s \
+        + i_kvh * stride_ovp_h + o_v[None, :]
+    tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _block(chunk_indices, cu_seqlens, prefix_lens, i_ct):
+    """(sequence, query block, first token, length, prefix length) of program row i_ct."""
+    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    prefix = tl.load(prefix_lens + i_n).to(tl.int64)
+    return i_n, i_t, bos, L, prefix
+
+
+@triton.jit
+def _span(prefix, i_s, NS: tl.constexpr, BN: tl.constexpr):
+    """Prefix keys [lo, hi) of span i_s of NS: whole key tiles, sized from the prefix length alone."""
+    span = tl.cdiv(tl.cdiv(prefix, BN), NS) * BN
+    lo = i_s * span
+    return lo, tl.minimum(lo + span, prefix)
 
 
 @triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
@@ -68,95 +209,99 @@ def paged_prefix_attn_fwd_kernel(
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr,
 ):
+    """One program per (query block, kv head, value slice): the prefix, then the own keys."""
     BV: tl.constexpr = BD // NV
     i_ct, i_kvh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    prefix = tl.load(prefix_lens + i_n).to(tl.int64)
-
-    o_d = tl.arange(0, BD)  # q/k features: the scores use all of them
-    m_d = o_d < D
-    if NV == 1:
-        o_v = o_d
-    else:
-        o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
-    m_v = o_v < D
-    o_r = tl.arange(0, BR)  # stacked rows: token r // G, head r % G
-    t_r = i_t * BM + o_r // G  # [BR] token index inside the sequence
-    h_r = i_kvh * G + o_r % G  # [BR] query head
-    m_r = (o_r < BM * G) & (t_r < L)
-    p_q = q + (bos + t_r)[:, None] * stride_q_t + h_r[:, None] * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)  # [BR, BD]
-
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
+    b_q, t_r, h_r, m_r = _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D, BD, G, BM, BR)
     b_m = tl.full([BR], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
     b_l = tl.zeros([BR], dtype=tl.float32)
     b_acc = tl.zeros([BR, BV], dtype=tl.float32)
-    o_n = tl.arange(0, BN)
+    b_m, b_l, b_acc = _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, read_table + i_n * stride_rt_n,
+                                   0, prefix, i_kvh, o_v, qk_scale, stride_kp_b, stride_kp_s, stride_kp_h,
+                                   stride_vp_b, stride_vp_s, stride_vp_h, D, BD, BS, BN)
+    b_m, b_l, b_acc = _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
+                                stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BM, BN)
+    _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
+            out_value_pages, write_table, write_slots, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+            stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+            HQ, D, BS, BM)
 
-    # the document prefix, page by page through the block table
-    p_rt = read_table + i_n * stride_rt_n
-    for start in range(0, prefix, BN):
-        o_p = start + o_n
-        m_p = o_p < prefix
-        b_page = tl.load(p_rt + o_p // BS, mask=m_p, other=0).to(tl.int64)  # [BN]
-        p_k = key_pages + b_page[None, :] * stride_kp_b + (o_p % BS)[None, :] * stride_kp_s \
-            + i_kvh * stride_kp_h + o_d[:, None]
-        b_k = tl.load(p_k, mask=m_d[:, None] & m_p[None, :], other=0.0)  # [BD, BN]
-        # [BR, BD] @ [BD, BN] -> [BR, BN]
-        b_s = tl.dot(b_q, b_k) * qk_scale
-        b_s = tl.where(m_p[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_p = tl.exp2(b_s - b_m_new[:, None])
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        p_v = value_pages + b_page[:, None] * stride_vp_b + (o_p % BS)[:, None] * stride_vp_s \
-            + i_kvh * stride_vp_h + o_v[None, :]
-        b_v = tl.load(p_v, mask=m_p[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
-        # [BR, BN] @ [BN, BV] -> [BR, BV]
-        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
+
+@triton.jit(do_not_specialize=["T", "N_CLASS", "T_CLASS"])
+def paged_prefix_span_kernel(
+    q, key_pages, value_pages, read_table, prefix_lens, cu_seqlens, chunk_indices,
+    ws_acc, ws_ml,  # out: [NS, T, Hq, D] fp32 unnormalised partial outputs, [NS, 2, T, Hq] fp32 max and sum
+    qk_scale, T,
+    stride_q_t, stride_q_h, stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
+    stride_rt_n,
+    N_CLASS, T_CLASS,  # shape-class autotune keys only
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, NS: tl.constexpr,
+):
+    """Split mode, step 1: one program per (query block, kv head, value slice, prefix span): the
+    span's online softmax from a fresh start, stored as a partial. An empty span stores nothing."""
+    BV: tl.constexpr = BD // NV
+    i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_v, i_s = tl.program_id(2) // NS, tl.program_id(2) % NS
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    lo, hi = _span(prefix, i_s, NS, BN)  # an empty span (lo >= hi) runs no step and stores nothing
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_q, t_r, h_r, m_r = _load_queries(q, bos, tl.where(lo < hi, L, 0), i_t, i_kvh, stride_q_t, stride_q_h, D, BD,
+                                       G, BM, BR)
+    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)
+    b_l = tl.zeros([BR], dtype=tl.float32)
+    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
+    b_m, b_l, b_acc = _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, read_table + i_n * stride_rt_n,
+                                   lo, hi, i_kvh, o_v, qk_scale, stride_kp_b, stride_kp_s, stride_kp_h,
+                                   stride_vp_b, stride_vp_s, stride_vp_h, D, BD, BS, BN)
+    row = (i_s * T + bos + t_r) * HQ + h_r  # [BR] partial row (span, token, head)
+    tl.store(ws_acc + row[:, None] * D + o_v[None, :], b_acc, mask=m_r[:, None] & (o_v < D)[None, :])
+    p_ml = ws_ml + (i_s * 2 * T + bos + t_r) * HQ + h_r
+    tl.store(p_ml, b_m, mask=m_r & (i_v == 0))  # the same in every value slice: stored once
+    tl.store(p_ml + T * HQ, b_l, mask=m_r & (i_v == 0))
+
+
+@triton.jit(do_not_specialize=["T", "N_CLASS", "T_CLASS"])
+def paged_prefix_finish_kernel(
+    q, k, v, o, ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots,
+    cu_seqlens, chunk_indices, qk_scale, T,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+    N_CLASS, T_CLASS,  # shape-class autotune keys only
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, NS: tl.constexpr,
+):
+    """Split mode, step 2: per (query block, kv head, value slice), the prefix spans' partials
+    merged in order, then the own keys, the output and the own K/V as in the one-program kernel."""
+    BV: tl.constexpr = BD // NV
+    i_ct, i_kvh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_q, t_r, h_r, m_r = _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D, BD, G, BM, BR)
+    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)
+    b_l = tl.zeros([BR], dtype=tl.float32)
+    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
+    m_acc = m_r[:, None] & (o_v < D)[None, :]
+    n_spans = tl.cdiv(prefix, tl.maximum(tl.cdiv(tl.cdiv(prefix, BN), NS) * BN, 1))  # the non-empty ones
+    for i_s in range(n_spans):
+        row = (i_s * T + bos + t_r) * HQ + h_r
+        p_ml = ws_ml + (i_s * 2 * T + bos + t_r) * HQ + h_r
+        m_s = tl.load(p_ml, mask=m_r, other=-1.0e30)
+        l_s = tl.load(p_ml + T * HQ, mask=m_r, other=0.0)
+        acc_s = tl.load(ws_acc + row[:, None] * D + o_v[None, :], mask=m_acc, other=0.0)
+        b_m_new = tl.maximum(b_m, m_s)
+        b_alpha, b_beta = tl.exp2(b_m - b_m_new), tl.exp2(m_s - b_m_new)
+        b_l = b_l * b_alpha + l_s * b_beta
+        b_acc = b_acc * b_alpha[:, None] + acc_s * b_beta[:, None]
         b_m = b_m_new
-
-    # the sequence's own keys, causally
-    hi = tl.minimum((i_t + 1) * BM, L)
-    for start in range(0, hi, BN):
-        o_j = start + o_n
-        m_j = o_j < L
-        p_k = k + (bos + o_j)[None, :] * stride_k_t + i_kvh * stride_k_h + o_d[:, None]
-        b_k = tl.load(p_k, mask=m_d[:, None] & m_j[None, :], other=0.0)  # [BD, BN]
-        # [BR, BD] @ [BD, BN] -> [BR, BN]
-        b_s = tl.dot(b_q, b_k) * qk_scale
-        b_s = tl.where(m_j[None, :] & (o_j[None, :] <= t_r[:, None]), b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        b_p = tl.exp2(b_s - b_m_new[:, None])
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        p_v = v + (bos + o_j)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :]
-        b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
-        # [BR, BN] @ [BN, BV] -> [BR, BV]
-        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
-        b_m = b_m_new
-
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
-
-    # the block's own K/V into its pages, once per (token, kv head, feature slice)
-    b_write = tl.load(write_slots + i_n)
-    o_tw = i_t * BM + tl.arange(0, BM)
-    m_tw = (o_tw < L) & (b_write >= 0)
-    pos = prefix + o_tw
-    b_wpage = tl.load(write_table + i_n * stride_wt_n + pos // BS, mask=m_tw, other=0).to(tl.int64)
-    m_kv = m_tw[:, None] & m_v[None, :]
-    b_k_own = tl.load(k + (bos + o_tw)[:, None] * stride_k_t + i_kvh * stride_k_h + o_v[None, :], mask=m_kv)
-    p_ok = out_key_pages + b_wpage[:, None] * stride_okp_b + (pos % BS)[:, None] * stride_okp_s \
-        + i_kvh * stride_okp_h + o_v[None, :]
-    tl.store(p_ok, b_k_own.to(out_key_pages.dtype.element_ty), mask=m_kv)
-    b_v_own = tl.load(v + (bos + o_tw)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :], mask=m_kv)
-    p_ov = out_value_pages + b_wpage[:, None] * stride_ovp_b + (pos % BS)[:, None] * stride_ovp_s \
-        + i_kvh * stride_ovp_h + o_v[None, :]
-    tl.store(p_ov, b_v_own.to(out_value_pages.dtype.element_ty), mask=m_kv)
+    b_m, b_l, b_acc = _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
+                                stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BM, BN)
+    _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
+            out_value_pages, write_table, write_slots, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+            stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+            HQ, D, BS, BM)
 
 
 def valid_configs(configs, named_args, **kwargs):
@@ -164,9 +309,14 @@ def valid_configs(configs, named_args, **kwargs):
     return [c for c in configs if kwargs["BD"] // c.kwargs["NV"] >= 16]
 
 
-_tuned_attn_kernel = triton.autotune(
-    configs=ATTN_CONFIGS, key=["HQ", "G", "D", "BS", "N_CLASS", "T_CLASS"],
-    prune_configs_by={"early_config_prune": valid_configs})(paged_prefix_attn_fwd_kernel)
+def _tuned(kernel):
+    return triton.autotune(configs=ATTN_CONFIGS, key=["HQ", "G", "D", "BS", "N_CLASS", "T_CLASS"],
+                           prune_configs_by={"early_config_prune": valid_configs})(kernel)
+
+
+_tuned_attn_kernel = _tuned(paged_prefix_attn_fwd_kernel)
+_tuned_span_kernel = _tuned(paged_prefix_span_kernel)
+_tuned_finish_kernel = _tuned(paged_prefix_finish_kernel)
 
 
 def paged_prefix_attention(
@@ -187,6 +337,7 @@ def paged_prefix_attention(
     scale: float | None = None,
     config: triton.Config | None = None,
     block_n: int | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
 
@@ -200,9 +351,11 @@ def paged_prefix_attention(
     chunk_indices: [NT, 2] fla's prepare_chunk_indices(cu_seqlens, query_block(Hq // Hkv));
                    computed (host sync) when None
     scale:         default D^-0.5
-    config:        run this one config instead of the autotuner
+    config:        run this one config instead of the autotuner (in split mode: in both kernels)
     block_n:       keys per inner step (default: 64 for head dims <= 128, else 32); the online-softmax
                    order depends on it, so it is fixed per head dim and never autotuned (benchmarks only)
+    split:         split mode (default: for a rows_few pass, `classify(N, T)`; callers that tune by
+                   their pass's class pass it from that class, `TritonOps.attention` does)
     Returns o: [T, Hq, D] contiguous, q's dtype.
     """
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
@@ -247,19 +400,37 @@ def paged_prefix_attention(
     scale = D ** -0.5 if scale is None else scale
     BD = max(32, triton.next_power_of_2(D))  # >= 32: a value split of BD / 2 is still a dot operand
     n_class, t_class = shape_class(N, T)
-    args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
-            prefix_lens, write_slots, cu_seqlens, chunk_indices, scale * 1.4426950408889634,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            *key_pages.stride()[:3], *value_pages.stride()[:3], *out_key_pages.stride()[:3],
-            *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
     meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
                 BN=block_n or (64 if BD <= 128 else 32))
-
-    def grid(m):  # (query blocks, kv heads, value splits)
-        return (NT, HKV, m["NV"])
-
-    if config is None:
-        _tuned_attn_kernel[grid](*args, **meta)
-    else:
-        paged_prefix_attn_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+    qk_scale = scale * 1.4426950408889634
+    split = classify(N, T) is ShapeClass.ROWS_FEW if split is None else split
+    if not split:
+        args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
+                prefix_lens, write_slots, cu_seqlens, chunk_indices, qk_scale,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                *key_pages.stride()[:3], *value_pages.stride()[:3], *out_key_pages.stride()[:3],
+                *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
+        _launch(paged_prefix_attn_fwd_kernel, _tuned_attn_kernel, config, lambda m: (NT, HKV, m["NV"]), args, meta)
+        return o
+    ws_acc = torch.empty((PREFIX_SPANS, T, HQ, D), dtype=torch.float32, device=q.device)
+    ws_ml = torch.empty((PREFIX_SPANS, 2, T, HQ), dtype=torch.float32, device=q.device)
+    span_args = (q, key_pages, value_pages, block_table, prefix_lens, cu_seqlens, chunk_indices, ws_acc, ws_ml,
+                 qk_scale, T, q.stride(0), q.stride(1), *key_pages.stride()[:3], *value_pages.stride()[:3],
+                 block_table.stride(0), n_class, t_class)
+    _launch(paged_prefix_span_kernel, _tuned_span_kernel, config, lambda m: (NT, HKV, m["NV"] * PREFIX_SPANS),
+            span_args, {**meta, "NS": PREFIX_SPANS})
+    finish_args = (q, k, v, o, ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots,
+                   cu_seqlens, chunk_indices, qk_scale, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                   v.stride(0), v.stride(1), *out_key_pages.stride()[:3], *out_value_pages.stride()[:3],
+                   write_table.stride(0), n_class, t_class)
+    _launch(paged_prefix_finish_kernel, _tuned_finish_kernel, config, lambda m: (NT, HKV, m["NV"]), finish_args,
+            {**meta, "NS": PREFIX_SPANS})
     return o
+
+
+def _launch(kernel, tuned, config, grid, args, meta):
+    """`tuned` (the autotuner), or `kernel` with one given config."""
+    if config is None:
+        tuned[grid](*args, **meta)
+    else:
+        kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
