@@ -191,9 +191,11 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
         entry = results.setdefault(system, {})[name] = {"sample": sample_answers(running.addr, stream.sample(args.sample),
                                                                                   args.timeout_s), "runs": []}
         for n in sweep_of(system, args):
-            duration = args.baseline_duration if system == "baseline" and args.baseline_duration else args.duration
+            baseline = system == "baseline"
+            duration = args.baseline_duration if baseline and args.baseline_duration else args.duration
+            warmup = args.baseline_warmup_s if baseline and args.baseline_warmup_s is not None else args.warmup_s
             entry["runs"].append(run_load(running.addr, stream, n, duration_s=duration, max_requests=args.requests,
-                                          warmup_s=args.warmup_s, timeout_s=args.timeout_s,
+                                          warmup_s=warmup, timeout_s=args.timeout_s,
                                           metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
                                           label=f"{system} {name} x{n}"))
             save()
@@ -249,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-duration", type=float, default=None,
                    help="the baseline's window (default --duration): five-long x 64's padded forwards take "
                         "seconds each, and a window must hold several of them")
+    p.add_argument("--baseline-warmup-s", type=float, default=None,
+                   help="the baseline's warm-up before each window (default --warmup-s). fla recompiles and "
+                        "re-tunes its l2norm for every new rows x width product (its NB key), ~10 s each on the "
+                        "H200: where the start-up cannot run every shape (mixed), a longer warm-up keeps "
+                        "those compiles out of the window")
     p.add_argument("--bank-gb", type=float, default=None, help="bank memory (default 48 GiB on GPU, 64 MiB on CPU)")
     p.add_argument("--avg-doc-tokens", type=int, default=None,
                    help="the bank's slot/page split (default: from the workloads, at least 2048)")
