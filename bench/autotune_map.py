@@ -7,7 +7,8 @@ on one layer's pools. The shapes are the classes' own (`kev.ops.autotune.CLASS_S
    class's shapes, per key the config with the least total time pinned in the class cache);
 2. each shape runs once in its class (no tuning: the map fails if a key was not pinned), each hot
    autotuner's first launch recorded with the config the class cache gave it;
-3. every config of each recorded launch is timed with `triton.testing.do_bench` (median).
+3. every config of each recorded launch is timed with `triton.testing.do_bench` (median), in
+   ROUNDS interleaved rounds (the median of the rounds).
 One entry per (kernel, shape class), totals over the class's shapes:
 - best_us: the config with the least total;
 - chosen_us: what the class cache launched, summed over the shapes;
@@ -23,6 +24,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -112,19 +114,30 @@ def recording(hot, tuned: bool):
             del at.run
 
 
+ROUNDS = 3  # timing rounds over all configs of a launch, interleaved
+
+
 def time_configs(at, args, kwargs) -> dict[str, float]:
-    """Median microseconds of every config of one recorded launch (inf where it does not compile)."""
-    out = {}
+    """Microseconds of every config of one recorded launch (inf where it does not compile): the
+    median over ROUNDS rounds, each timing every config once (`triton.testing.do_bench`, median).
+    Interleaved, a drift of the GPU's clock over the configs' timings lands on all of them, not on
+    the configs timed last; the 5-6 us kernels' misses moved between runs like such noise."""
+    calls, out = {}, {}
     for cfg in at.configs:
         def call(cfg=cfg):
             at.fn.run(*args, **kwargs, **cfg.all_kwargs())
         try:
             call()
-            out[str(cfg)] = triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median") * 1e3  # ms -> us
+            calls[str(cfg)] = call
         except Exception as e:  # noqa: BLE001 - an out-of-resources config is simply not a choice
             print(f"  {at.base_fn.__name__} {cfg}: {type(e).__name__}")
             out[str(cfg)] = float("inf")
-    return out
+    rounds = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            rounds[name].append(triton.testing.do_bench(call, warmup=2, rep=10, return_mode="median"))
+    out.update({name: statistics.median(ts) * 1e3 for name, ts in rounds.items()})  # ms -> us
+    return {str(cfg): out[str(cfg)] for cfg in at.configs}
 
 
 def shape_table(layer, ops, hot, shape, gen, tuner=None, cls=None):
