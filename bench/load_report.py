@@ -71,6 +71,13 @@ def headline(runs: list[dict], clients: int) -> dict:
     return {k: run.get(k) for k in HEADLINE}
 
 
+def speedups(ours: list[dict], theirs: list[dict]) -> dict[str, float]:
+    """Client count -> our requests/s over theirs, for every count both measured."""
+    base = {r["clients"]: r["requests_per_s"] for r in theirs if r.get("requests_per_s")}
+    return {str(r["clients"]): r["requests_per_s"] / base[r["clients"]] for r in ours
+            if r["clients"] in base and r.get("requests_per_s") is not None}
+
+
 def report(name: str, results: dict, systems: list[str], skipped: dict, args, env: dict, checkpoint: Path,
            startup: dict) -> dict:
     """One workload's results file from what has been measured so far."""
@@ -92,8 +99,13 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
             out[system] = {"missing": "not measured: the run stopped before it (see `missing`)"}
         else:
             out[system] = {"skipped": skipped.get(system, "not requested")}
-    if kev and "baseline" in have and out["baseline"]["requests_per_s"] and out["requests_per_s"] is not None:
-        out["speedup_vs_baseline"] = out["requests_per_s"] / out["baseline"]["requests_per_s"]
+    if kev and "baseline" in have:
+        out["speedup_by_clients"] = speedups(kev["runs"], have["baseline"]["runs"])
+        # the headline ratio only from two runs at the same client count (a cut run's headline
+        # falls back to its last client count)
+        if out["baseline"]["clients"] == out["clients"] and out["baseline"]["requests_per_s"] \
+                and out["requests_per_s"] is not None:
+            out["speedup_vs_baseline"] = out["requests_per_s"] / out["baseline"]["requests_per_s"]
         out["baseline_answers"] = compare(kev["sample"], have["baseline"]["sample"])
     if kev and "gathered" in have:
         out["gathered_bit_identical"] = compare(kev["sample"], have["gathered"]["sample"])

@@ -404,6 +404,28 @@ def test_each_system_runs_its_own_sweep_or_the_common_one():
     assert sweep_of("kev", SimpleNamespace(sweep=None, clients=8)) == [8]
 
 
+def test_speedup_compares_runs_at_the_same_client_count():
+    """A baseline cut before its x64 run: no headline ratio (its headline falls back to x8), and
+    the per-client ratios only where both systems ran."""
+    from bench.load_report import report
+
+    def runs(*pairs):
+        return [{"clients": c, "requests_per_s": r} for c, r in pairs]
+
+    results = {"kev": {"five-long": {"sample": [], "runs": runs((1, 15.6), (8, 26.4), (64, 27.6)), "done": True}},
+               "baseline": {"five-long": {"sample": [], "runs": runs((1, 2.3), (8, 2.6))}}}
+    args = SimpleNamespace(device="cuda", scale=1.0, clients=64)
+    env = {k: "x" for k in ("commit", "gpu", "packages", "python", "host", "command", "triton_compile_cache",
+                            "gpu_sharing")}
+    out = report("five-long", results, ["kev", "baseline"], {}, args, env, Path("ckpt"), {})
+    assert out["clients"] == 64 and out["baseline"]["clients"] == 8 and out["baseline"]["partial"]
+    assert "speedup_vs_baseline" not in out
+    assert out["speedup_by_clients"] == pytest.approx({"1": 15.6 / 2.3, "8": 26.4 / 2.6})
+    results["baseline"]["five-long"]["runs"].append({"clients": 64, "requests_per_s": 2.76})
+    out = report("five-long", results, ["kev", "baseline"], {}, args, env, Path("ckpt"), {})
+    assert out["speedup_vs_baseline"] == pytest.approx(10.0) and out["speedup_by_clients"]["64"] == pytest.approx(10.0)
+
+
 def test_two_calls_merge_into_one_results_file(tmp_path):
     """bench/load_merge.py: kev and the baseline from the first file, the gathered scorer and its
     identity check from the second (the gathered scorer runs only on a GPU: synthetic files)."""
