@@ -143,7 +143,8 @@ def test_every_autotune_config_bit_identical():
         return y, pool
 
     def l2(cfg):
-        return (indexed_scan.l2norm_heads(x["qkv"][:, :hk].unflatten(1, (H, K)), config=cfg),)
+        qk = indexed_scan.l2norm_heads(x["qkv"][:, :2 * hk].unflatten(1, (2 * H, K)), blocks=2, config=cfg)
+        return (indexed_scan.l2norm_heads(x["qkv"][:, :hk].unflatten(1, (H, K)), config=cfg), *qk)
 
     def scan(cfg):
         pool = x["state_pool"].clone()

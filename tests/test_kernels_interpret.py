@@ -205,6 +205,28 @@ def test_packed_views_bit_identical(interp):
     assert torch.equal(ya, yb)
 
 
+def test_qk_l2norm_in_one_launch_equals_two(interp):
+    """q and k adjacent in one buffer (the conv's q,k block) are normalised in one launch, each
+    into its own contiguous [T, H, K], bit-identical to two launches; a k that does not directly
+    follow q is not taken for adjacent."""
+    scan = interp.scan
+    T, H, K = 37, 3, 16
+    g = torch.Generator().manual_seed(4)
+    block = torch.randn(T, 2 * H * K + 8, generator=g)[:, 8:]  # a column view, as the model's is
+    q, k = block[:, :H * K].unflatten(1, (H, K)), block[:, H * K:].unflatten(1, (H, K))
+    qk = scan.adjacent_heads(q, k)
+    assert qk is not None and qk.shape == (T, 2 * H, K)
+    qn, kn = scan.l2norm_heads(qk, blocks=2)
+    assert qn.is_contiguous() and kn.is_contiguous() and qn.shape == kn.shape == (T, H, K)
+    assert torch.equal(qn, scan.l2norm_heads(q)) and torch.equal(kn, scan.l2norm_heads(k))
+    assert torch.allclose(qn, torch.nn.functional.normalize(q, dim=-1), atol=1e-5)
+    assert scan.adjacent_heads(k, q) is None, "q does not follow k"
+    assert scan.adjacent_heads(q, k.contiguous()) is None, "another buffer"
+    assert scan.adjacent_heads(q[:, :2], k[:, :2]) is None, "a gap between them"
+    with pytest.raises(ValueError, match="blocks"):
+        scan.l2norm_heads(qk, blocks=4)
+
+
 ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
     "T1-prefix40": ([1], [40], [-1]),
     "T63-noprefix-write": ([63], [0], [0]),

@@ -13,9 +13,10 @@ our state pass, and fla's `chunk_fwd_o`. fla's pieces are called with keywords o
 (never the bank). fla 0.6.0 supports grouped value heads natively (value head j reads key head
 j // (HV / H)), so q and k are never expanded. fla's `l2norm_fwd` views its input as [-1, K], which
 a packed q/k column view cannot do; our L2 norm reads the view in place and writes the contiguous
-normalised copy fla's kernels need. fla's WY recompute reads v as contiguous [T, HV, V], so v is
-made contiguous (an activation copy). Gates follow fla 0.6.0: the chunk cumsum is scaled by
-1/ln 2 and every decay is an exp2.
+normalised copies fla's kernels need, q's and k's in one launch when k follows q in one buffer (the
+model's conv output: 48 launches fewer per five-long sweep). fla's WY recompute reads v as
+contiguous [T, HV, V] (the model's conv writes it so; other callers' v is copied). Gates follow fla
+0.6.0: the chunk cumsum is scaled by 1/ln 2 and every decay is an exp2.
 
 Reference: `naive.recurrent_gated_delta_rule` / `chunk_torch.chunk_gated_delta_rule`.
 """
@@ -49,9 +50,9 @@ if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a G
 @triton.jit(do_not_specialize=["T"])
 def l2norm_heads_kernel(
     x,  # [T, H, K] any strides over T and H, unit stride over K
-    y,  # [T, H, K] contiguous
+    y,  # [H / HB, T, HB, K] contiguous: heads in blocks of HB, each block a contiguous [T, HB, K]
     T, stride_x_t, stride_x_h, eps,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTN: tl.constexpr,
+    H: tl.constexpr, HB: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTN: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BTN + tl.arange(0, BTN)
@@ -60,23 +61,31 @@ def l2norm_heads_kernel(
     b_x = tl.load(x + o_t[:, None].to(tl.int64) * stride_x_t + i_h * stride_x_h + o_k[None, :], mask=m, other=0.0)
     b_x = b_x.to(tl.float32)
     b_y = b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + eps)[:, None]  # x / sqrt(|x|^2 + eps), as the reference
-    tl.store(y + (o_t[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :], b_y.to(y.dtype.element_ty), mask=m)
+    row = (i_h // HB) * T * HB + o_t[:, None].to(tl.int64) * HB + i_h % HB  # [BTN, 1] (block, token, head)
+    tl.store(y + row * K + o_k[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
-_tuned_l2norm = triton.autotune(configs=L2NORM_CONFIGS, key=["H", "K"])(l2norm_heads_kernel)
+_tuned_l2norm = triton.autotune(configs=L2NORM_CONFIGS, key=["H", "HB", "K"])(l2norm_heads_kernel)
 
 
-def l2norm_heads(x: torch.Tensor, eps: float = 1e-6, *, config: triton.Config | None = None) -> torch.Tensor:
+def l2norm_heads(x: torch.Tensor, eps: float = 1e-6, *, blocks: int = 1,
+                 config: triton.Config | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """x: [T, H, K] (strided view, unit stride over K) -> contiguous [T, H, K] in x's dtype, fp32 maths.
-    `config` runs that one config instead of the autotuner."""
+    `blocks` > 1: the heads in that many equal blocks, each returned as its own contiguous
+    [T, H / blocks, K] (q and k normalised in one launch). `config` runs that one config instead of
+    the autotuner."""
     if x.ndim != 3 or x.stride(2) != 1:
         raise ValueError(f"x must be [T, H, K] with unit stride over K, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
     T, H, K = x.shape
-    y = torch.empty((T, H, K), dtype=x.dtype, device=x.device)
+    if blocks < 1 or H % blocks:
+        raise ValueError(f"{H} heads do not split into {blocks} blocks")
+    HB = H // blocks
+    y = torch.empty((blocks, T, HB, K), dtype=x.dtype, device=x.device)
+    out = y[0] if blocks == 1 else tuple(y)
     if T == 0:
-        return y
-    args, meta = (x, y, T, x.stride(0), x.stride(1), eps), dict(H=H, K=K, BK=triton.next_power_of_2(K))
+        return out
+    args, meta = (x, y, T, x.stride(0), x.stride(1), eps), dict(H=H, HB=HB, K=K, BK=triton.next_power_of_2(K))
 
     def grid(m):
         return (triton.cdiv(T, m["BTN"]), H)
@@ -85,7 +94,17 @@ def l2norm_heads(x: torch.Tensor, eps: float = 1e-6, *, config: triton.Config | 
         _tuned_l2norm[grid](*args, **meta)
     else:
         l2norm_heads_kernel[grid](*args, **meta, **config.all_kwargs())
-    return y
+    return out
+
+
+def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """A [T, 2H, K] view of q's heads then k's when k directly follows q in one buffer, with the
+    same strides and heads contiguous (the conv's q,k block, kev/ops/conv/indexed_conv.py); else None."""
+    T, H, K = q.shape
+    if (k.shape != q.shape or k.dtype != q.dtype or k.stride() != q.stride() or q.stride(1) != K
+            or q.stride(2) != 1 or k.data_ptr() != q.data_ptr() + H * K * q.element_size()):
+        return None
+    return q.as_strided((T, 2 * H, K), (q.stride(0), K, 1))
 
 
 @triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
@@ -291,7 +310,8 @@ def indexed_chunk_gated_delta_rule(
     if T == 0:
         return v.new_empty(v.shape)
 
-    q, k = l2norm_heads(q), l2norm_heads(k)  # [T, H, K] contiguous
+    qk = adjacent_heads(q, k)  # the model's q and k: one launch normalises both
+    q, k = l2norm_heads(qk, blocks=2) if qk is not None else (l2norm_heads(q), l2norm_heads(k))  # [T, H, K] each
     # fla's WY recompute reads [T, HV, V] contiguous: the model's v already is (the conv writes it
     # as a block of its own, kev/ops/conv/indexed_conv.py); any other caller's v is copied here.
     v = v.contiguous()
