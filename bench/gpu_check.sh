@@ -23,7 +23,7 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log,
 
 step gpu_tests 330 python3 -m pytest -q tests/test_graphs_gpu.py tests/test_served_passes_gpu.py \
     tests/test_kernels_gpu.py tests/test_state_pass_gpu.py tests/test_shared_bank.py
-step attention_ab 90 python3 -m bench.attention_ab --out "$OUT/attention_ab.json"
+step attention_ab 120 python3 -m bench.attention_ab --out "$OUT/attention_ab.json"
 step single_request 200 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
     --profile-out "$OUT/single_request_profile.txt"
 step autotune_map 170 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json"
