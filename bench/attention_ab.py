@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.common import cuda_ms, kev4b_config, run_info, write_json
+from bench.common import capture, cuda_ms, kev4b_config, run_info, write_json
 from kev.ops.attention import paged_prefix
 
 DEVICE = "cuda"
@@ -35,16 +35,7 @@ CALLS = 10  # calls per captured graph
 
 def graph_us(fn) -> float:
     """Median microseconds of one call, from replays of a graph of CALLS calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
+    graph, _ = capture(lambda: [fn() for _ in range(CALLS)])
     graph.replay()
     return statistics.median(cuda_ms(graph.replay, 15)) * 1e3 / CALLS
 

@@ -124,8 +124,8 @@ SPLIT_ATTENTION = {"paged_prefix_span", "paged_prefix_finish"}  # paged attentio
 
 def class_launches(cls, names) -> set[str]:
     """The hot kernels (of `names`) a pass of class `cls` launches: every one but paged
-    attention's other mode (split for rows_few passes alone, `kev.ops.triton_ops.split_attention`)."""
-    from kev.ops.autotune import ShapeClass
+    attention's other mode (`kev.ops.attention.paged_prefix.split_mode`)."""
+    from kev.ops.attention.paged_prefix import split_mode
 
-    skip = {"paged_prefix_attention"} if cls is ShapeClass.ROWS_FEW else SPLIT_ATTENTION
+    skip = {"paged_prefix_attention"} if split_mode(cls) else SPLIT_ATTENTION
     return set(names) - skip

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
-from kev.ops.autotune import ShapeClass
+from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block, split_mode
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
 from kev.ops.fused import activations, norms
@@ -53,7 +52,7 @@ class PassIndices:
 def split_attention(meta: PassMeta, num_tokens: int) -> bool:
     """Paged attention's split mode for a pass of one request's rows (kev.ops.attention.paged_prefix),
     chosen by the pass's class: the one it is tuned under, so the split kernels' configs are warmed."""
-    return meta.pass_class(num_tokens) is ShapeClass.ROWS_FEW
+    return split_mode(meta.pass_class(num_tokens))
 
 
 class TritonOps:

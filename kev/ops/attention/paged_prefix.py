@@ -60,6 +60,11 @@ if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a G
 PREFIX_SPANS = 8
 
 
+def split_mode(cls: ShapeClass) -> bool:
+    """Whether passes of class `cls` run split mode: one request's rows (rows_few)."""
+    return cls is ShapeClass.ROWS_FEW
+
+
 def query_block(group: int) -> int:
     """Query tokens per program: about 64 stacked rows (G heads per token), at least 16 tokens."""
     return max(16, 64 // triton.next_power_of_2(group))
@@ -171,6 +176,30 @@ def _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, pre
 
 
 @triton.jit
+def _fresh(BR: tl.constexpr, BV: tl.constexpr):
+    """An empty online softmax: running max (finite: fully masked tiles give exp2(-inf) = 0, not
+    NaN), sum and unnormalised output."""
+    return tl.full([BR], -1.0e30, dtype=tl.float32), tl.zeros([BR], dtype=tl.float32), \
+        tl.zeros([BR, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+                         out_key_pages, out_value_pages, write_table, write_slots, qk_scale,
+                         stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+                         stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h,
+                         stride_wt_n, HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr):
+    """The softmax continued over the block's own keys, then its output and own K/V stored."""
+    b_m, b_l, b_acc = _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
+                                stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BM, BN)
+    _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
+            out_value_pages, write_table, write_slots, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+            stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+            HQ, D, BS, BM)
+
+
+@triton.jit
 def _block(chunk_indices, cu_seqlens, prefix_lens, i_ct):
     """(sequence, query block, first token, length, prefix length) of program row i_ct."""
     i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
@@ -215,18 +244,14 @@ def paged_prefix_attn_fwd_kernel(
     i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
     o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
     b_q, t_r, h_r, m_r = _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D, BD, G, BM, BR)
-    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give exp2(-inf) = 0, not NaN
-    b_l = tl.zeros([BR], dtype=tl.float32)
-    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
+    b_m, b_l, b_acc = _fresh(BR, BV)
     b_m, b_l, b_acc = _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, read_table + i_n * stride_rt_n,
                                    0, prefix, i_kvh, o_v, qk_scale, stride_kp_b, stride_kp_s, stride_kp_h,
                                    stride_vp_b, stride_vp_s, stride_vp_h, D, BD, BS, BN)
-    b_m, b_l, b_acc = _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
-                                stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BM, BN)
-    _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
-            out_value_pages, write_table, write_slots, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-            stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
-            HQ, D, BS, BM)
+    _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+                         out_key_pages, out_value_pages, write_table, write_slots, qk_scale,
+                         stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b, stride_okp_s, stride_okp_h,
+                         stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, HQ, D, BD, BS, BM, BN)
 
 
 @triton.jit(do_not_specialize=["T", "N_CLASS", "T_CLASS"])
@@ -250,9 +275,7 @@ def paged_prefix_span_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     b_q, t_r, h_r, m_r = _load_queries(q, bos, tl.where(lo < hi, L, 0), i_t, i_kvh, stride_q_t, stride_q_h, D, BD,
                                        G, BM, BR)
-    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)
-    b_l = tl.zeros([BR], dtype=tl.float32)
-    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
+    b_m, b_l, b_acc = _fresh(BR, BV)
     b_m, b_l, b_acc = _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, read_table + i_n * stride_rt_n,
                                    lo, hi, i_kvh, o_v, qk_scale, stride_kp_b, stride_kp_s, stride_kp_h,
                                    stride_vp_b, stride_vp_s, stride_vp_h, D, BD, BS, BN)
@@ -280,9 +303,7 @@ def paged_prefix_finish_kernel(
     i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
     o_v = i_v * BV + tl.arange(0, BV)
     b_q, t_r, h_r, m_r = _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D, BD, G, BM, BR)
-    b_m = tl.full([BR], -1.0e30, dtype=tl.float32)
-    b_l = tl.zeros([BR], dtype=tl.float32)
-    b_acc = tl.zeros([BR, BV], dtype=tl.float32)
+    b_m, b_l, b_acc = _fresh(BR, BV)
     m_acc = m_r[:, None] & (o_v < D)[None, :]
     n_spans = tl.cdiv(prefix, tl.maximum(tl.cdiv(tl.cdiv(prefix, BN), NS) * BN, 1))  # the non-empty ones
     for i_s in range(n_spans):
@@ -296,12 +317,10 @@ def paged_prefix_finish_kernel(
         b_l = b_l * b_alpha + l_s * b_beta
         b_acc = b_acc * b_alpha[:, None] + acc_s * b_beta[:, None]
         b_m = b_m_new
-    b_m, b_l, b_acc = _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
-                                stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BM, BN)
-    _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
-            out_value_pages, write_table, write_slots, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-            stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
-            HQ, D, BS, BM)
+    _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+                         out_key_pages, out_value_pages, write_table, write_slots, qk_scale,
+                         stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b, stride_okp_s, stride_okp_h,
+                         stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, HQ, D, BD, BS, BM, BN)
 
 
 def valid_configs(configs, named_args, **kwargs):
@@ -403,7 +422,7 @@ def paged_prefix_attention(
     meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
                 BN=block_n or (64 if BD <= 128 else 32))
     qk_scale = scale * 1.4426950408889634
-    split = classify(N, T) is ShapeClass.ROWS_FEW if split is None else split
+    split = split_mode(classify(N, T)) if split is None else split
     if not split:
         args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
                 prefix_lens, write_slots, cu_seqlens, chunk_indices, qk_scale,
