@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 5's GPU batch in one device call (~7 minutes on the H200): the GPU tests, the single-request
-# figures with their profile, and the shape-class config map, each under its own time limit, each
-# writing its log and results under $OUT (eight files: within what the device tool brings back).
-# One step failing or running out of time does not stop the others.
+# Issue 5's GPU batch in device calls of at most 600 s: the GPU tests (~370 s on the H200 since
+# split-mode attention's tests), then the single-request figures with their profile and the
+# shape-class config map (~180 s), and the attention A/B (~50 s) on request. Each step writes its
+# log and results under $OUT and has its own time limit; one failing or running out of time does
+# not stop the others. Name the steps; the default is all but the A/B (~550 s, one call; limits 390 + 80 + 120):
 #
 # On the device machine, from the repository root, carrying .whl (bench/device_carry.sh builds it):
-#     KEV_COMMIT=<sha> bash bench/gpu_check.sh
+#     KEV_COMMIT=<sha> bash bench/gpu_check.sh                  # tests perf
+#     KEV_COMMIT=<sha> bash bench/gpu_check.sh perf ab          # figures only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the device output folder}"
@@ -21,9 +23,18 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log,
     echo "$name: rc $rc in $((SECONDS - start)) s; $(grep -E 'passed|failed|new .* ms|worst' "$OUT/$name.log" | tail -2 | tr '\n' ' ')"
 }
 
-step gpu_tests 330 python3 -m pytest -q tests/test_graphs_gpu.py tests/test_served_passes_gpu.py \
-    tests/test_kernels_gpu.py tests/test_state_pass_gpu.py tests/test_shared_bank.py
-step attention_ab 120 python3 -m bench.attention_ab --out "$OUT/attention_ab.json"
-step single_request 200 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
-    --profile-out "$OUT/single_request_profile.txt"
-step autotune_map 170 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json"
+for what in "${@:-tests perf}"; do
+    for s in $what; do
+        case $s in
+            tests) step gpu_tests 390 python3 -m pytest -q -rfE --tb=short --durations=15 tests/test_graphs_gpu.py \
+                       tests/test_served_passes_gpu.py tests/test_kernels_gpu.py tests/test_state_pass_gpu.py \
+                       tests/test_shared_bank.py ;;
+            perf)
+                step single_request 80 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
+                    --profile-out "$OUT/single_request_profile.txt"
+                step autotune_map 120 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json" ;;
+            ab) step attention_ab 80 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
+            *) echo "unknown step $s (tests, perf, ab)"; exit 2 ;;
+        esac
+    done
+done
