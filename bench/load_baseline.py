@@ -13,9 +13,12 @@ that runs out of GPU memory is split in halves and retried, and the split is log
 Naive in algorithm, not handicapped by cold compiles: a forward's shape is bucketed (rows padded
 with whole padding rows up to 1, 2, 4, 8, 16, 24, 32, 48, ... 512; the width up to a multiple of
 `--length-multiple`, 16: no compute is added to a fixed-length workload, whose width is the same in
-every batch, and Triton's integer specialisation is by 16), and `--warm-widths` / `--warm-rows` run
-every such shape once before the server reports SERVING (bench/load_compare.py passes the shapes its
-sweep will use), so fla's autotuning and Triton's compiles happen before the measurement, never in it.
+every batch, and Triton's integer specialisation is by 16), and `--warm-widths` / `--warm-rows` /
+`--warm-min-rows` run every such shape once before the server reports SERVING (bench/load_compare.py
+passes the shapes its sweep will use: row buckets from one request's questions to the sweep's widest
+batch), so fla's autotuning and Triton's compiles happen before the measurement, never in it. Each
+new shape costs 10-20 s on the H200 with a cold compile cache (fla's l2norm autotunes per token
+count bucket), so the buckets no forward can take (five-long's 5 rows a request: 1, 2, 4) are skipped.
 
 It exposes the scorer's metric names (`kev_scorer_rows_per_pass`, `kev_scorer_tokens_per_pass`
 = padded tokens per forward, `kev_scorer_row_pass_seconds`) so bench/load.py reads both alike.
@@ -173,16 +176,20 @@ class BaselineScorer:
         return rows * width
 
     @torch.inference_mode()
-    def warm(self, widths: list[int], max_rows: int, max_batch_tokens: int) -> tuple[list[tuple[int, int]], int]:
-        """One forward of every padded shape (rows bucket <= the bucket of `max_rows`, width rounded
-        up) that `max_batch_tokens` admits. A shape that runs out of GPU memory (beside an idle
-        stack holding its bank) ends its width's shapes and caps the batch size. Returns the shapes
-        run and the padded tokens a forward may hold: `max_batch_tokens`, or below the smallest
-        shape that ran out of memory, the largest that ran."""
-        top = padded_rows(max_rows)
+    def warm(self, widths: list[int], max_rows: int, max_batch_tokens: int,
+             min_rows: int = 1) -> tuple[list[tuple[int, int]], int]:
+        """One forward of every padded shape (rows bucket from the bucket of `min_rows`, the rows of
+        the smallest request, to that of `max_rows`; width rounded up) that `max_batch_tokens`
+        admits. A shape that runs out of GPU memory (beside an idle stack holding its bank) ends its
+        width's shapes and caps the batch size. Returns the shapes run and the padded tokens a
+        forward may hold: `max_batch_tokens`, or below the smallest shape that ran out of memory,
+        the largest that ran."""
+        bottom, top = padded_rows(min_rows), padded_rows(max_rows)
+        if bottom > top:
+            raise ValueError(f"min_rows {min_rows} is above max_rows {max_rows}")
         shapes = [(r, -(-w // self.length_multiple) * self.length_multiple)
-                  for w in sorted(set(widths)) for r in PAD_ROWS if r <= top]
-        shapes = [(r, w) for r, w in dict.fromkeys(shapes) if r == 1 or r * w <= max_batch_tokens]
+                  for w in sorted(set(widths)) for r in PAD_ROWS if bottom <= r <= top]
+        shapes = [(r, w) for r, w in dict.fromkeys(shapes) if r == bottom or r * w <= max_batch_tokens]
         ran, failed, seconds = [], [], []
         for r, w in shapes:
             if any(fw == w for _, fw in failed):
@@ -358,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-widths", default="", help="comma-separated sequence lengths (document + row) "
                    "whose padded shapes run once before SERVING")
     p.add_argument("--warm-rows", type=int, default=0, help="most rows a forward of the load will hold")
+    p.add_argument("--warm-min-rows", type=int, default=1, help="fewest rows a forward of the load holds "
+                   "(one request's questions): smaller row buckets are not warmed")
     args = p.parse_args(argv)
 
     log.info("starting: %s", vars(args))
@@ -373,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     widths = [int(w) for w in args.warm_widths.split(",") if w.strip()]
     if widths and args.warm_rows:
         t0 = time.perf_counter()
-        shapes, args.max_batch_tokens = scorer.warm(widths, args.warm_rows, args.max_batch_tokens)
+        shapes, args.max_batch_tokens = scorer.warm(widths, args.warm_rows, args.max_batch_tokens,
+                                                       args.warm_min_rows)
         log.info("warmed %d padded shapes (rows x width) in %.1f s: %s", len(shapes), time.perf_counter() - t0,
                  ", ".join(f"{r}x{w}" for r, w in shapes))
     batcher = BaselineBatcher(scorer, args.max_requests, args.max_batch_tokens)

@@ -67,8 +67,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.load import add_run_args, environment, json_safe, parse_counts, run_load
-from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_rows, baseline_warm_widths, doc_plan,
-                                format_breakdown, longest_document, row_plan, startup_breakdown, warm_plan)
+from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_min_rows, baseline_warm_rows, baseline_warm_widths,
+                                doc_plan, format_breakdown, longest_document, row_plan, startup_breakdown, warm_plan)
 from bench.load_report import report, sample_answers, write_quietly
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from bench.random_checkpoint import write_random_checkpoint
@@ -149,7 +149,8 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
     cmd = [sys.executable, "-m", "bench.load_baseline", "--checkpoint", str(checkpoint), "--device", args.device,
            "--listen", addr, "--metrics-port", str(metrics_port), "--max-batch-tokens", str(args.baseline_max_batch_tokens),
            "--max-document-tokens", str(args.max_document_tokens), "--torch-threads", str(args.torch_threads),
-           "--warm-widths", ",".join(map(str, args.baseline_warm_widths)), "--warm-rows", str(args.baseline_warm_rows)]
+           "--warm-widths", ",".join(map(str, args.baseline_warm_widths)), "--warm-rows", str(args.baseline_warm_rows),
+           "--warm-min-rows", str(args.baseline_warm_min_rows)]
     proc = Proc("baseline", cmd, env, workdir / "baseline.log")
     proc.start()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -232,6 +233,7 @@ def apply_startup_defaults(args, workloads: list[str]) -> None:
         args.scorer_warm_classes = args.bank_warm_classes = args.warm_classes
     args.baseline_warm_widths = baseline_warm_widths(used)
     args.baseline_warm_rows = baseline_warm_rows(used, sweep_of("baseline", args))
+    args.baseline_warm_min_rows = baseline_warm_min_rows(used)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== start-up plan: KEV_GRAPH_ROWS={args.graph_rows} KEV_GRAPH_DOCS={args.graph_docs} "
           f"KEV_WARM_CLASSES={args.scorer_warm_classes} (scorers) / {args.bank_warm_classes} (bank) "
           f"KEV_GATHERED_MAX_PREFIX_TOKENS={args.gathered_max_prefix_tokens} baseline warm widths "
-          f"{args.baseline_warm_widths} rows <= {args.baseline_warm_rows}", file=sys.stderr, flush=True)
+          f"{args.baseline_warm_widths} rows {args.baseline_warm_min_rows}..{args.baseline_warm_rows}", file=sys.stderr, flush=True)
 
     env = environment()
     workdir = Path(tempfile.mkdtemp(prefix="kev-load-"))  # the baseline's log; the CPU checkpoint

@@ -140,6 +140,11 @@ def baseline_warm_rows(workloads: list[Workload], clients: list[int], max_reques
     return min(max(clients), max_requests) * max(w.questions[1] for w in workloads)
 
 
+def baseline_warm_min_rows(workloads: list[Workload]) -> int:
+    """The fewest question rows one baseline forward holds: one request of the fewest questions."""
+    return min(w.questions[0] for w in workloads)
+
+
 # ---------------------------------------------------------------------------------------------
 # the start-up breakdown from a service log
 

@@ -239,6 +239,12 @@ def test_baseline_warm_up_caps_forwards_that_run_out_of_memory():
     assert (24, 2240) in seen and (32, 2240) not in seen  # the width's larger shapes are not tried
     assert cap == 16 * 2240
     assert scorer.warm([80], max_rows=8, max_batch_tokens=786432) == ([(r, 80) for r in (1, 2, 4, 8)], 786432)
+    # From one request's rows (five-long's 5: bucket 8) up; the smallest is tried whatever its size.
+    seen.clear()
+    assert scorer.warm([2232], max_rows=320, max_batch_tokens=786432, min_rows=5) == ([(8, 2240), (16, 2240)], 16 * 2240)
+    assert seen[0] == (8, 2240) and (4, 2240) not in seen
+    with pytest.raises(ValueError, match="min_rows"):
+        scorer.warm([80], max_rows=8, max_batch_tokens=786432, min_rows=9)
 
 
 def test_baseline_batcher_splits_a_batch_that_runs_out_of_memory_and_caps_later_batches():
@@ -288,8 +294,8 @@ def test_baseline_batcher_splits_a_batch_that_runs_out_of_memory_and_caps_later_
 
 
 def test_start_up_plans_follow_the_workloads():
-    from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_rows, baseline_warm_widths, doc_plan,
-                                    longest_document, row_plan, startup_breakdown)
+    from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_min_rows, baseline_warm_rows,
+                                    baseline_warm_widths, doc_plan, longest_document, row_plan, startup_breakdown)
 
     six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
     assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
@@ -303,6 +309,8 @@ def test_start_up_plans_follow_the_workloads():
     assert bank_avg_doc_tokens([six, five]) == 2200 and bank_avg_doc_tokens([mixed]) == 2048
     assert bank_avg_doc_tokens([WORKLOADS["longdoc"]]) == 38912
     assert baseline_warm_widths([six, five]) == [80, 2232] and baseline_warm_rows([five], [1, 8, 64]) == 320
+    assert baseline_warm_min_rows([five]) == 5 and baseline_warm_min_rows([six, five]) == 5
+    assert baseline_warm_min_rows(list(WORKLOADS.values())) == 1
     log_text = "\n".join([
         "2026-11-29 11:40:00,000 INFO bank_service: config {}",
         "2026-11-29 11:40:31,500 INFO bank_service.server: weights loaded in 31.5 s",
