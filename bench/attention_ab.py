@@ -27,7 +27,7 @@ from kev.ops.attention import paged_prefix
 
 DEVICE = "cuda"
 BS = 64  # K/V page size
-SHAPES = [(1, 2240), (6, 2240), (16, 2048)]  # (documents, tokens each)
+SHAPES = [(1, 2208), (6, 2208), (16, 2048)]  # (documents, tokens each)
 # (rows, tokens each, prefix tokens): rows_few's shapes (split mode serves them) and a wider one
 ROW_SHAPES = [(1, 16, 2200), (6, 32, 48), (5, 32, 2200), (8, 64, 2200)]
 CALLS = 10  # calls per captured graph

@@ -58,17 +58,21 @@ class Buckets:
     padding compute stay bounded, and a pass the bank builds under that cap usually fits one
     (bank_service/acquire.py keeps a pass inside a bucket when it can)."""
 
+    # Every count up to 8: one request's rows (1-8 questions) run unpadded when it is alone, the
+    # latency case (five-long's 5 rows in a 6 bucket were 32 of a new request's 2,432 tokens).
     # Steps of 8 rows above 32: a busy scorer's passes take whatever rows are waiting (78-83 on
     # average at six-short x 64 clients), and the GPU is the bottleneck there: 83 rows in a 96
     # bucket were 16% padding (a 96 bucket for 75 rows, 22%, before the steps went below 1/4).
-    rows: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128)
+    rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120,
+                             128)
     row_tokens: tuple[int, ...] = (16, 32, 48, 64, 96, 128)
     picks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
     docs: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     # 32 and 48 for short documents (six-short's 48 tokens padded to 64 were a quarter of its state passes);
-    # 2240 for five-long's 2,200 (padded to 2,304 they were 4.5% of its state passes' tokens: a
-    # five-long load is bound by prefill)
-    doc_tokens: tuple[int, ...] = (32, 48, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2240, 2304, 2560, 3072, 4096)
+    # 2208 for five-long's 2,200 (padded to 2,304 they were 4.5% of its state passes' tokens, to
+    # 2,240 1.8%: a five-long load is bound by prefill). A bucket need not be whole K/V pages: the
+    # padding is a sequence of its own that writes nowhere.
+    doc_tokens: tuple[int, ...] = (32, 48, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2208, 2304, 2560, 3072, 4096)
     max_state_tokens: int = 16384
 
     def row_key(self, num_rows: int, max_len: int, num_picks: int) -> GraphKey | None:

@@ -49,10 +49,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROW_BUCKETS = ",".join([f"{r}x{n}" for n in (32, 64) for r in (1, 2, 4, 8, 16, 32, 64, 96)])  # 16 graphs
 # 13 graphs: 1..64 short documents of up to 48 tokens (six-short's; powers of two, the rest are captured
-# when idle), 1..6 documents of 2,240 (five-long's 2,200; 6 x 2,240 is the largest bucket under 16,384
+# when idle), 1..6 documents of 2,208 (five-long's 2,200; 6 x 2,208 is the largest bucket under 16,384
 # tokens: 7 is no document count), two between.
 DEFAULT_DOC_BUCKETS = ",".join([*(f"{d}x48" for d in (1, 2, 4, 8, 16, 32, 64)), "1x256", "1x1024",
-                                *(f"{d}x2240" for d in (1, 2, 4, 6))])
+                                *(f"{d}x2208" for d in (1, 2, 4, 6))])
 
 
 class PassRole(enum.Enum):

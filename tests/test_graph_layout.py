@@ -115,7 +115,8 @@ def test_static_chunks_agree_with_fla(seqs, seq_len):
 def test_bucket_keys():
     b = Buckets()
     assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 32)  # picks capacity 5 a row at least
-    assert b.row_key(5, 33, 40) == GraphKey(PassKind.ROWS, 6, 48, 64)
+    assert b.row_key(5, 33, 40) == GraphKey(PassKind.ROWS, 5, 48, 64)  # one request's rows: every count to 8
+    assert [b.row_key(n, 32, 1).seqs for n in (3, 7, 8, 9)] == [3, 7, 8, 12]
     assert b.row_key(97, 32, 97) == GraphKey(PassKind.ROWS, 104, 32, 1024)
     assert b.row_key(129, 32, 1) is None and b.row_key(4, 129, 1) is None and b.row_key(4, 8, 2000) is None
     assert b.state_key(1, 48) == GraphKey(PassKind.STATE, 1, 48) and b.state_key(1, 49) == GraphKey(PassKind.STATE, 1, 64)
@@ -124,11 +125,11 @@ def test_bucket_keys():
     # rows of 3 picks and rows of 5 share the graph a start-up 'RxL' bucket captured
     (R, L, P), = parse_row_buckets("32x32")
     assert b.row_key(25, 32, 75) == b.row_key(32, 32, 160) == b.row_key(R, L, P) == GraphKey(PassKind.ROWS, 32, 32, 256)
-    assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2240) and b.state_key(1, 2241).seq_len == 2304
+    assert b.state_key(1, 2200) == GraphKey(PassKind.STATE, 1, 2208) and b.state_key(1, 2209).seq_len == 2304
     assert b.state_key(5, 64) == GraphKey(PassKind.STATE, 6, 64) and b.state_key(1, 4097) is None
     assert b.state_key(64, 48) == GraphKey(PassKind.STATE, 64, 48) and b.state_key(65, 48) is None
     # a bucket exists only while D x L <= max_state_tokens (16,384)
-    assert b.state_key(6, 2200) == GraphKey(PassKind.STATE, 6, 2240) and b.state_key(7, 2200) is None
+    assert b.state_key(6, 2200) == GraphKey(PassKind.STATE, 6, 2208) and b.state_key(7, 2200) is None
     assert b.state_key(64, 256) == GraphKey(PassKind.STATE, 64, 256) and b.state_key(33, 257) is None
     assert all(D * L <= b.max_state_tokens for D in b.docs for L in b.doc_tokens if b.state_key(D, L) is not None)
     assert GraphKey(PassKind.STATE, 1, 2304).num_slots == 2 and GraphKey(PassKind.ROWS, 6, 32).num_slots == 6
@@ -171,7 +172,7 @@ def test_when_idle_policy_queues_then_captures(model, fake_capture):
     first = graphed.row_pass(batch)  # eager (bucketed), not queued yet
     assert graphed.pending == [] and graphed.stats.eager_bucketed == 1
     second = graphed.row_pass(batch)  # second use: queued, still eager: a busy server never captures
-    key = GraphKey(PassKind.ROWS, 4, 32, 32)
+    key = GraphKey(PassKind.ROWS, 3, 32, 16)
     assert graphed.pending == [key] and graphed.graphs() == [] and torch.equal(first, second)
     assert graphed.capture_pending() == 1 and graphed.graphs() == [key] and graphed.pending == []
     third = graphed.row_pass(row_batch(docs, handles, lens=(12, 30, 5)))
@@ -182,11 +183,11 @@ def test_when_idle_policy_queues_then_captures(model, fake_capture):
 def test_first_use_policy_lru_and_fallbacks(model, fake_capture):
     runner, docs, handles = stored(model, CpuTritonOps())
     graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE, max_graphs=2)
-    for lens in [(3, 4), (20,), (3, 40, 2)]:  # buckets (2, 16), (1, 32), (4, 48)
+    for lens in [(3, 4), (20,), (3, 40, 2)]:  # buckets (2, 16), (1, 32), (3, 48)
         b = row_batch(docs, handles, lens=lens)
         assert rel_err(runner.row_pass(b), graphed.row_pass(b)) <= 1e-5
     assert graphed.stats.captures == 3 and graphed.stats.evictions == 1
-    assert graphed.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 4, 48, 32)]
+    assert graphed.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 3, 48, 16)]
     too_long = row_batch(docs, handles, lens=(200,))
     assert torch.equal(graphed.row_pass(too_long), runner.row_pass(too_long)) and graphed.stats.unbucketed == 1
     no_lens = RowBatch(*[getattr(too_long, f) for f in ("tokens", "cu_seqlens", "slots", "doc_lens", "picks",
@@ -221,6 +222,10 @@ def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture, l
         assert torch.equal(a, b)
 
 
+# Row buckets without the exact counts up to 8, so the sweeps' 3 rows pad to a 4-row bucket.
+PADDED_ROWS = Buckets(rows=(1, 2, 4, 8, 16, 32))
+
+
 def new_documents_and_rows(bank, seed):
     """Two new documents (slots allocated, nothing stored yet) and three rows over them: one sweep's input."""
     gen = torch.Generator().manual_seed(seed)
@@ -239,7 +244,7 @@ def test_graphed_sweep_matches_the_runner(model, fake_capture):
         bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
         bank.alloc(3)  # the documents land in other slots than 0
         runner = Runner(model, bank, CpuTritonOps())
-        passes = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE) if graphed else runner
+        passes = GraphedPasses(runner, PADDED_ROWS, policy=CapturePolicy.ON_FIRST_USE) if graphed else runner
         out = []
         for rep in range(2):
             docs, handles, batch = new_documents_and_rows(bank, 40 + rep)
@@ -261,7 +266,7 @@ def test_sweep_without_its_graph_replays_the_two_graphs(model, fake_capture):
     instead of an eager sweep; the sweep is queued after `min_uses` uses and replayed once captured."""
     bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
     runner = Runner(model, bank, CpuTritonOps())
-    passes = GraphedPasses(runner, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
+    passes = GraphedPasses(runner, PADDED_ROWS, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
     state, rows = GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 32)
     passes.capture([state, rows])
     outs = []

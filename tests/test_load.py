@@ -298,11 +298,11 @@ def test_start_up_plans_follow_the_workloads():
                                     baseline_warm_widths, doc_plan, longest_document, row_plan, startup_breakdown)
 
     six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
-    assert row_plan([six]) == "1x32,2x32,4x32,6x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
+    assert row_plan([six]) == "1x32,2x32,3x32,4x32,5x32,6x32,7x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
     assert doc_plan([six]) == "1x48,2x48,4x48,6x48,8x48,12x48,16x48,24x48,32x48,48x48,64x48"
-    assert doc_plan([five]) == "1x2240,2x2240,4x2240,6x2240"
+    assert doc_plan([five]) == "1x2208,2x2208,4x2208,6x2208"
     both = doc_plan([six, five]).split(",")
-    assert len(both) == 15 and both[:4] == ["1x48", "1x2240", "2x48", "2x2240"]
+    assert len(both) == 15 and both[:4] == ["1x48", "1x2208", "2x48", "2x2208"]
     assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
     assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Runner
     assert longest_document([six, five]) == 2200 and longest_document([mixed]) == 512

@@ -128,7 +128,7 @@ def test_scorer_bad_graph_settings(env, match):
 def test_bank_graph_settings_from_env_and_flags():
     default = BankConfig.from_env(BANK_ENV, [])
     assert default.graph_plan == GraphPlan(rows=(), docs=parse_doc_buckets(
-        "1x48,2x48,4x48,8x48,16x48,32x48,64x48,1x256,1x1024,1x2240,2x2240,4x2240,6x2240"), max_graphs=24)
+        "1x48,2x48,4x48,8x48,16x48,32x48,64x48,1x256,1x1024,1x2208,2x2208,4x2208,6x2208"), max_graphs=24)
     assert default.ops_backend == "triton" and default.redacted()["ops_backend"] == "triton"
     assert BankConfig.from_env({**BANK_ENV, "KEV_DEVICE": "cpu"}, []).ops_backend == "torch"
     assert BankConfig.from_env(BANK_ENV, ["--ops", "torch"]).ops_backend == "torch"  # explicit choice wins
@@ -158,7 +158,7 @@ def test_start_keys_follow_the_plan():
     from kev.graphs import Buckets
     from kev.static_pass import GraphKey, PassKind
 
-    buckets = Buckets()
+    buckets = Buckets(rows=(1, 2, 4, 8, 16, 32, 64, 96, 128))  # powers of two: 3 rows pad to 4, 7 to 8
     plan = GraphPlan(rows=((3, 20, 20), (4, 32, 20), (8, 64, 40), (128, 32, 640)), docs=((1, 100), (3, 2048)),
                      max_graphs=8, max_rows_per_pass=7)
     rows = PassBuilder(None, None, PassRole.ROWS, plan).start_keys(buckets)
