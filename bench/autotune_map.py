@@ -7,8 +7,9 @@ on one layer's pools. The shapes are the classes' own (`kev.ops.autotune.CLASS_S
    class's shapes, per key the config with the least total time pinned in the class cache);
 2. each shape runs once in its class (no tuning: the map fails if a key was not pinned), each hot
    autotuner's first launch recorded with the config the class cache gave it;
-3. every config of each recorded launch is timed with `triton.testing.do_bench` (median), in
-   ROUNDS interleaved rounds (the median of the rounds).
+3. every config of each recorded launch is timed by CUDA-graph replay (`kev.ops.autotune.graph_bench`,
+   the serving tuner's benchmarker: what the class tune measured, measured again), in ROUNDS
+   interleaved rounds (the median of the rounds).
 One entry per (kernel, shape class), totals over the class's shapes:
 - best_us: the config with the least total;
 - chosen_us: what the class cache launched, summed over the shapes;
@@ -29,10 +30,9 @@ import time
 from contextlib import contextmanager
 
 import torch
-import triton
 
 from bench.common import kev4b_config, run_info, write_json
-from kev.ops.autotune import CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.autotune import CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, graph_bench, hot_autotuners
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 
@@ -119,7 +119,7 @@ ROUNDS = 3  # timing rounds over all configs of a launch, interleaved
 
 def time_configs(at, args, kwargs) -> dict[str, float]:
     """Microseconds of every config of one recorded launch (inf where it does not compile): the
-    median over ROUNDS rounds, each timing every config once (`triton.testing.do_bench`, median).
+    median over ROUNDS rounds, each timing every config once (`graph_bench`, median of its replays).
     Interleaved, a drift of the GPU's clock over the configs' timings lands on all of them, not on
     the configs timed last; the 5-6 us kernels' misses moved between runs like such noise."""
     calls, out = {}, {}
@@ -135,7 +135,7 @@ def time_configs(at, args, kwargs) -> dict[str, float]:
     rounds = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, call in calls.items():
-            rounds[name].append(triton.testing.do_bench(call, warmup=2, rep=10, return_mode="median"))
+            rounds[name].append(graph_bench(call))
     out.update({name: statistics.median(ts) * 1e3 for name, ts in rounds.items()})  # ms -> us
     return {str(cfg): out[str(cfg)] for cfg in at.configs}
 
@@ -195,7 +195,7 @@ def main():
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     layer, ops = Layer(cfg, gen), TritonOps()
     hot = hot_autotuners()
-    tuner = ClassTuner(hot)
+    tuner = ClassTuner(hot, bench=graph_bench)  # serving_tuner(), on the autotuners recorded here
     first, _ = shape_table(layer, ops, hot, FIRST_CALL, gen)
     first_pick = {name: min(t, key=t.get) for name, t in first.items()}
     t0 = time.perf_counter()

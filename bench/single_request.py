@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
 from kev.graphs import CapturePolicy, GraphedPasses
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.autotune import ShapeClass, serving_tuner
 from kev.ops.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
@@ -79,7 +79,7 @@ def main():
 
 def measure(args, cfg, model, bank, profiles) -> dict:
     """Warm, capture and time both workloads (one seed: the same documents and rows every run)."""
-    runner = Runner(model, bank, TritonOps(), tuner=ClassTuner(hot_autotuners()))
+    runner = Runner(model, bank, TritonOps(), tuner=serving_tuner())
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()  # start-up as a server does it: documents' class, one document, rows' class
     warm_up(runner, [ShapeClass.DOCS_FEW])

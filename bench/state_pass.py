@@ -27,7 +27,7 @@ import torch
 
 from bench.common import cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
-from kev.ops.autotune import ClassTuner, ShapeClass, classify, hot_autotuners
+from kev.ops.autotune import ShapeClass, classify, serving_tuner
 from kev.ops.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.runner import PEAK_SLACK, Runner
@@ -82,7 +82,7 @@ def main():
                          block_size=BLOCK, dtype=torch.bfloat16, device=DEVICE,
                          max_doc_tokens=max(args.doc_tokens, args.long_doc_tokens))
     runner = Runner(model, bank, TritonOps(), state_chunk_tokens=args.chunk_tokens,
-                    tuner=ClassTuner(hot_autotuners()))
+                    tuner=serving_tuner())
     t0 = time.perf_counter()
     warm_up(runner, [ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE])  # start-up, as the bank service does it
     info = {**run_info(), "warm_up_s": time.perf_counter() - t0, "matmul_tflops": tflops,

@@ -36,7 +36,7 @@ import torch
 from kev.bank.bank import BankHandle
 from kev.model import Qwen35Model
 from kev.ops import Ops
-from kev.ops.autotune import ClassTuner, ShapeClass, hot_autotuners
+from kev.ops.autotune import ClassTuner, ShapeClass, serving_tuner
 from kev.ops.warm_up import warm_up
 from kev.runner import RowBatch, Runner
 from kev.static_pass import PICKS_PER_ROW
@@ -227,7 +227,7 @@ class PassBuilder:
 
         with self._lock:
             if self.tuner is None:
-                self.tuner, self.graph_stats = ClassTuner(hot_autotuners()), GraphStats()
+                self.tuner, self.graph_stats = serving_tuner(), GraphStats()
             runner = Runner(self.model, bank, self.ops, self.state_chunk_tokens, tuner=self.tuner)
             if not self._warm_done:
                 start = time.perf_counter()

@@ -356,6 +356,24 @@ def test_configs_compile_untimed_before_the_timed_run(stub3):
     assert tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 16"), "SMALL's fastest"
 
 
+def test_tuner_bench_times_the_timed_run_only(stub3):
+    """A tuner's `bench` (serving: CUDA-graph replay) replaces every autotuner's own benchmarker in
+    the timed round only, decides from its timings, and is put back afterwards."""
+    at, launch, bench = stub3
+    times, timed_calls = {16: 3.0, 32: 1.0, 64: 2.0}, []  # this benchmarker prefers 32 on SMALL (TIMES: 16)
+
+    def timed(kernel_call, quantiles):
+        kernel_call()
+        timed_calls.append(launch.launches[-1])
+        return [times[launch.launches[-1]]] * len(quantiles)
+
+    tuner = ClassTuner({"stub": at}, bench=timed)
+    tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, SMALL)])
+    assert timed_calls == [16, 32, 64] and bench.calls == 0, "every config timed by the tuner's bench only"
+    assert tuner.chosen(ShapeClass.ROWS_FEW)["stub"][0].startswith("BLOCK: 32")
+    assert at.do_bench is bench, "the kernel's own benchmarker is back"
+
+
 def test_pick_is_deterministic_given_the_timings():
     c16, c32, c64 = (triton.Config({"BLOCK": b}) for b in (16, 32, 64))
     tie = [{c64: 2.0, c32: 1.0, c16: 1.0}, {c16: 1.0, c32: 1.0, c64: 0.0}]

@@ -21,7 +21,7 @@ from triton.runtime.autotuner import Autotuner
 from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
 from kev.graphs import Buckets, CapturePolicy, GraphedPasses
-from kev.ops.autotune import ClassTuner, ShapeClass
+from kev.ops.autotune import ClassTuner, ShapeClass, graph_bench
 from kev.ops.warm_up import warm_up
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
@@ -48,7 +48,7 @@ def setup(hot):
     model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).cuda()
     bank = Bank.allocate(cfg, num_slots=16, num_blocks=16 * 36, block_size=64, dtype=torch.bfloat16,
                          device="cuda", max_doc_tokens=2304)
-    tuner = ClassTuner(hot)
+    tuner = ClassTuner(hot, bench=graph_bench)  # as serving_tuner, on the fixture's autotuners
     runner = Runner(model, bank, TritonOps(), tuner=tuner)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in DOC_LENS]

@@ -345,3 +345,37 @@ def test_graph_replay_equals_eager(setup):
     tokens.copy_(torch.randint(0, 300, tokens.shape, device="cuda"))
     graph.replay()
     assert torch.equal(out, run())
+
+
+def test_graph_bench_captures_the_calls_and_survives_a_failing_one():
+    """`kev.ops.autotune.graph_bench` (the serving tuner's benchmarker): the call runs once, three
+    times for the estimate, then once more per captured call (replays run no Python); it returns a
+    per-call time, or Triton's quantile list; a call that fails during capture raises, and the
+    stream and allocator work afterwards (the start-up tune would go on with the next config)."""
+    from kev.ops.autotune import GRAPH_BENCH_CALLS, graph_bench
+
+    x = torch.randn(1024, 1024, device="cuda")
+    out = torch.empty_like(x)
+    calls = []
+
+    def kernel_call():
+        calls.append(1)
+        torch.mm(x, x, out=out)
+
+    ms = graph_bench(kernel_call)
+    assert isinstance(ms, float) and ms > 0 and 5 <= len(calls) <= 4 + GRAPH_BENCH_CALLS
+    q = graph_bench(kernel_call, quantiles=(0.5, 0.2, 0.8))
+    assert len(q) == 3 and q[1] <= q[0] <= q[2]
+    torch.testing.assert_close(out, x @ x)
+
+    def failing_in_capture():
+        calls.append(1)
+        if torch.cuda.is_current_stream_capturing() and len(calls) % 3 == 0:
+            raise RuntimeError("config failed")
+        torch.mm(x, x, out=out)
+
+    with pytest.raises(RuntimeError, match="config failed"):
+        graph_bench(failing_in_capture)
+    torch.mm(x, x, out=out)  # no capture left open on any stream
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x @ x)

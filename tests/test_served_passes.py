@@ -78,8 +78,7 @@ def test_build_warms_the_plan_classes_once(monkeypatch, warm):
 
     calls = []
     monkeypatch.setattr(passes_module, "_indexed", lambda ops: True)
-    monkeypatch.setattr(passes_module, "ClassTuner", lambda autotuners: "tuner")
-    monkeypatch.setattr(passes_module, "hot_autotuners", dict)
+    monkeypatch.setattr(passes_module, "serving_tuner", lambda: "tuner")
     monkeypatch.setattr(passes_module, "Runner", lambda *a, **k: SimpleNamespace(device="cuda"))
     monkeypatch.setattr(passes_module, "warm_up", lambda runner, classes: calls.append(list(classes)) or list(classes))
     bank = SimpleNamespace(block_table=SimpleNamespace(device=torch.device("cuda")))

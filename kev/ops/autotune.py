@@ -19,10 +19,11 @@ A class serves many shapes, and one shape's best config can be 1.1-1.5x on anoth
 class (the H200 map). So a class is tuned on several shapes (`CLASS_SHAPES`): `ClassTuner.tune`
 runs each shape's pass with fresh caches, so Triton's own autotuner benchmarks every config of
 every key the pass hits, keeps those timings, and pins in the class cache, per key, the config
-with the least total time over the class's shapes. `kev.ops.warm_up.warm_up` does that with the
+with the least total time over the class's shapes. A serving tuner (`serving_tuner`) times each
+config by CUDA-graph replay (`graph_bench`), as passes are served, not by Triton's `do_bench`. `kev.ops.warm_up.warm_up` does that with the
 real model, dtypes and pools before any CUDA-graph capture; nothing tunes again for a key pinned there.
 
-    tuner = ClassTuner(hot_autotuners())
+    tuner = serving_tuner()                  # ClassTuner(hot_autotuners(), bench=graph_bench)
     runner = Runner(model, bank, TritonOps(), tuner=tuner)
     warm_up(runner, ShapeClass)              # start-up: tune every class over its shapes
     with tuner.use(classify(n_seqs, n_tokens)):
@@ -33,8 +34,9 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -233,17 +235,72 @@ def pick_config(per_shape: list[Mapping[Config, float]], configs: Iterable[Confi
     return named[min(enumerate(timed), key=rank)[1]]
 
 
-@contextmanager
-def _untimed(autotuners: Iterable[Autotuner]) -> Iterator[None]:
-    """Inside, an autotuner's benchmark runs each config once and times nothing (all tie)."""
-    def run_once(kernel_call, quantiles):
-        kernel_call()
-        return [0.0] * len(quantiles) if quantiles else 0.0
+Bench = Callable[[Callable[[], None], Sequence[float] | None], float | list[float]]  # Triton's benchmarker contract
 
+GRAPH_BENCH_MS = 1.0  # GPU time one replay of `graph_bench`'s graph aims at
+GRAPH_BENCH_CALLS = 256  # calls in that graph at most
+GRAPH_BENCH_REPLAYS = 5
+
+
+def graph_bench(kernel_call: Callable[[], None], quantiles=None):
+    """Triton's benchmarker, the way passes are served: milliseconds per call of `kernel_call`
+    captured back to back in one CUDA graph (enough calls for ~GRAPH_BENCH_MS a replay), median
+    over GRAPH_BENCH_REPLAYS replays; with `quantiles`, those quantiles of the replays (Triton's
+    `do_bench` contract). Why not `do_bench`: it times each call alone between two events after an
+    L2 flush, so a 5-25 us kernel's time carries microseconds of event and launch jitter, the size
+    of the gaps between its configs (the H200 map's misses on those kernels moved between runs, and
+    config timings jumped 2x within one run). Captured with `capture_begin`, not `torch.cuda.graph`,
+    which collects garbage and empties the allocator's cache on every entry. A call that fails
+    before capture (a config that does not compile or fit) raises as under `do_bench`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        kernel_call()  # compiled, caches warm
+        start.record()
+        for _ in range(3):
+            kernel_call()
+        end.record()
+        end.synchronize()
+        calls = max(1, min(GRAPH_BENCH_CALLS, round(GRAPH_BENCH_MS / max(start.elapsed_time(end) / 3, 1e-3))))
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                kernel_call()
+        finally:
+            graph.capture_end()
+        graph.replay()
+        times = []
+        for _ in range(GRAPH_BENCH_REPLAYS):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    torch.cuda.current_stream().wait_stream(stream)
+    del graph
+    if quantiles:
+        return torch.quantile(torch.tensor(times), torch.tensor(list(quantiles))).tolist()
+    return statistics.median(times)
+
+
+def _run_once(kernel_call, quantiles):
+    """A benchmarker that runs each config once and times nothing (all tie): compiles only."""
+    kernel_call()
+    return [0.0] * len(quantiles) if quantiles else 0.0
+
+
+@contextmanager
+def _benchmarked_by(autotuners: Iterable[Autotuner], bench: Bench | None) -> Iterator[None]:
+    """Inside, every autotuner benchmarks with `bench` (None: its own)."""
+    if bench is None:
+        yield
+        return
     saved = []
     for at in autotuners:  # `Autotuner.do_bench` is a cached property: the instance's dict overrides it
         saved.append((at, at.__dict__.get("do_bench")))
-        at.__dict__["do_bench"] = run_once
+        at.__dict__["do_bench"] = bench
     try:
         yield
     finally:
@@ -260,15 +317,18 @@ _SWAP_LOCK = threading.RLock()
 
 
 class ClassTuner:
-    """Per-class autotune caches for `autotuners` (name -> Autotuner), disk cache off."""
+    """Per-class autotune caches for `autotuners` (name -> Autotuner), disk cache off. `bench`
+    times each config in `tune` (None: each autotuner's own benchmarker; `serving_tuner` gives
+    `graph_bench`)."""
 
-    def __init__(self, autotuners: Mapping[str, Autotuner]):
+    def __init__(self, autotuners: Mapping[str, Autotuner], bench: Bench | None = None):
         from fla.ops.utils.cache import FLA_CACHE_MODE, FlaCacheMode
 
         if FLA_CACHE_MODE is not FlaCacheMode.DISABLED:
             raise ValueError(f"FLA_CACHE_MODE={FLA_CACHE_MODE.value}: fla would load configs tuned elsewhere "
                              f"into the class caches; unset it")
         self.autotuners = dict(autotuners)
+        self.bench = bench
         self._caches: dict[ShapeClass, dict[str, ClassCache]] = {}
         self._tuned: set[ShapeClass] = set()  # classes `tune` pinned configs for
         self._active: ShapeClass | None = None
@@ -324,10 +384,10 @@ class ClassTuner:
             # idle for the compile; the H200 map's misses (1.1-1.2x, all on kernels of 6-40 us) were
             # configs that ran right after a compile.
             with self._swapped(cls, {name: ClassCache(self._drop(at)) for name, at in self.autotuners.items()}), \
-                    _untimed(self.autotuners.values()):
+                    _benchmarked_by(self.autotuners.values(), _run_once):
                 run()
             fresh = {name: TimingCache(at, self._drop(at)) for name, at in self.autotuners.items()}
-            with self._swapped(cls, fresh):
+            with self._swapped(cls, fresh), _benchmarked_by(self.autotuners.values(), self.bench):
                 run()
             for name, cache in fresh.items():
                 cache.flush()
@@ -352,3 +412,9 @@ class ClassTuner:
     def chosen(self, cls: ShapeClass) -> dict[str, list[str]]:
         """Name -> the configs `cls`'s cache holds (for logs and the config map)."""
         return {name: [str(c) for c in cache.values()] for name, cache in self.caches(cls).items()}
+
+
+def serving_tuner() -> ClassTuner:
+    """The tuner of a serving process (and of the benchmarks that measure one): every hot kernel,
+    each config timed by CUDA-graph replay (`graph_bench`)."""
+    return ClassTuner(hot_autotuners(), bench=graph_bench)
