@@ -3,8 +3,9 @@
 1. New documents: a state pass has no prefix, so its attention is plain causal attention over
    each document. `paged_prefix_attention` at every config (it also stores the documents' K/V
    into pages) against `torch.nn.functional.scaled_dot_product_attention(is_causal=True,
-   enable_gqa=True)` on the documents as a [docs, heads, tokens, dim] view, flash backend only,
-   plus the page store it would then need (`index_copy_` of K and V into the pages).
+   enable_gqa=True)` on the documents as a [docs, heads, tokens, dim] view, with the flash and the
+   cuDNN backends each, plus the page store it would then need (`index_copy_` of K and V into the
+   pages).
 2. Rows over stored documents: the one-program kernel against split mode (a program per prefix
    span, then the finish kernel), every config of each.
 Each candidate is captured in a CUDA graph (10 calls) and timed by replay, so host work is not
@@ -66,10 +67,10 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
     # token t of document n lives at page table[n, t // BS], row t % BS: with these tables, flat page rows
     page_rows = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEVICE)).flatten(1)[:, :tokens].flatten()
 
-    def sdpa():
+    def sdpa(backend):
         qd = q.view(docs, tokens, Hq, D).transpose(1, 2)
         kd, vd = (t.view(docs, tokens, Hkv, D).transpose(1, 2) for t in (k, v))
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel([backend]):
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
         key_pages.view(-1, Hkv, D).index_copy_(0, page_rows, k)
         value_pages.view(-1, Hkv, D).index_copy_(0, page_rows, v)
@@ -81,14 +82,15 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
                 if paged_prefix.valid_configs([c], {}, BD=max(32, D))}
     best = min(paged_us, key=paged_us.get)
     out["paged_us"], out["paged_best_config"], out["paged_configs_us"] = paged_us[best], best, paged_us
-    try:
-        out["sdpa_flash_us"] = graph_us(sdpa)
-        ref = paged(paged_prefix.ATTN_CONFIGS[0]).float()
-        out["sdpa_rel_err_vs_paged"] = ((sdpa().float() - ref).norm() / ref.norm()).item()
-        out["paged_over_sdpa"] = out["paged_us"] / out["sdpa_flash_us"]
-    except RuntimeError as e:  # no flash kernel for this shape / GPU
-        out["sdpa_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    for name in ("paged_us", "sdpa_flash_us"):
+    ref = paged(paged_prefix.ATTN_CONFIGS[0]).float()
+    for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            out[f"sdpa_{label}_us"] = graph_us(lambda: sdpa(backend))
+            out[f"sdpa_{label}_rel_err_vs_paged"] = ((sdpa(backend).float() - ref).norm() / ref.norm()).item()
+            out[f"paged_over_sdpa_{label}"] = out["paged_us"] / out[f"sdpa_{label}_us"]
+        except RuntimeError as e:  # no such kernel for this shape / GPU
+            out[f"sdpa_{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for name in ("paged_us", "sdpa_flash_us", "sdpa_cudnn_us"):
         if name in out:
             out[name.replace("_us", "_tflops")] = out["causal_tflop"] / (out[name] * 1e-6)
     return out
