@@ -9,7 +9,8 @@ joins the two files: the first file's kev and baseline, the second file's gather
 identity check, the second run's kev headline beside it (`gathered_run_kev`), and both commands.
 Both must be of the same workload, commit, GPU and GPU sharing.
 
-    python -m bench.load_merge RUN_WITH_BASELINE.json RUN_WITH_GATHERED.json --out load_five-long.json
+    python -m bench.load_merge RUN_WITH_BASELINE.json RUN_WITH_GATHERED.json --out load_five-long.json \
+        --png load_five-long.png   # requests/s and p99 against clients, all three systems
 """
 
 from __future__ import annotations
@@ -51,10 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("with_baseline", help="results of a run with kev and the baseline")
     p.add_argument("with_gathered", help="results of a run with kev and the gathered scorer")
     p.add_argument("--out", required=True)
+    p.add_argument("--png", help="also plot the merged sweeps here (bench.load_plots)")
     args = p.parse_args(argv)
     with open(args.with_baseline) as a, open(args.with_gathered) as b:
         merged = merge(json.load(a), json.load(b))
     write_json(args.out, merged)
+    if args.png:
+        from bench.load_plots import plot_sweeps
+
+        series = {"kev": merged["sweep"], "gathered": merged["gathered"]["sweep"],
+                  "baseline": merged["baseline"]["sweep"]}
+        plot_sweeps(series, args.png, title=f"{merged['workload']} ({merged['gpu']}, merged from two calls)")
     return 0
 
 

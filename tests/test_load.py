@@ -437,6 +437,7 @@ def test_speedup_compares_runs_at_the_same_client_count():
 def test_two_calls_merge_into_one_results_file(tmp_path):
     """bench/load_merge.py: kev and the baseline from the first file, the gathered scorer and its
     identity check from the second (the gathered scorer runs only on a GPU: synthetic files)."""
+    import importlib.util
     import json
 
     from bench import load_merge
@@ -455,7 +456,9 @@ def test_two_calls_merge_into_one_results_file(tmp_path):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
     a.write_text(json.dumps(first))
     b.write_text(json.dumps(second))
-    assert load_merge.main([str(a), str(b), "--out", str(out)]) == 0
+    png = tmp_path / "merged.png"
+    assert load_merge.main([str(a), str(b), "--out", str(out), "--png", str(png)]) == 0
+    assert png.exists() or importlib.util.find_spec("matplotlib") is None  # the plot needs the bench extra
     merged = json.loads(out.read_text())
     assert merged["requests_per_s"] == 27.0 and merged["speedup_vs_baseline"] == 9.0
     assert merged["baseline"]["requests_per_s"] == 3.0 and merged["gathered"]["requests_per_s"] == 25.0
