@@ -42,18 +42,21 @@ def _no_scope(meta: PassMeta, num_tokens: int) -> AbstractContextManager:
     return nullcontext()
 
 
-def mix_by_phase(phases: Phases, scope: MixerScope, mix, *tensors: torch.Tensor) -> torch.Tensor:
-    """`mix(meta, *token slices)` phase by phase, in order (a phase sees every write of the ones
-    before it); the outputs joined along tokens. One phase: the tensors as they are, no copy."""
+def mix_by_phase(phases: Phases, scope: MixerScope, mix, *tensors: torch.Tensor,
+                 new_out: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`mix(meta, *token slices, out=...)` phase by phase, in order (a phase sees every write of the
+    ones before it). One phase: the tensors as they are and `out=None` (mix allocates its result).
+    Several: `new_out()` ([T, ...]) and each phase writes its own token slice of it: the phases'
+    outputs need no join (a copy of the whole output, 0.36 ms of a five-long sweep on the H200)."""
     if len(phases) == 1:
         (_, end, meta), = phases
         with scope(meta, end):
-            return mix(meta, *tensors)
-    outs = []
+            return mix(meta, *tensors, out=None)
+    out = new_out()
     for start, end, meta in phases:
         with scope(meta, end - start):
-            outs.append(mix(meta, *(t[start:end] for t in tensors)))
-    return torch.cat(outs)
+            mix(meta, *(t[start:end] for t in tensors), out=out[start:end])
+    return out
 
 
 class Linear(nn.Linear):
@@ -151,7 +154,7 @@ class GatedDeltaNet(nn.Module):
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
 
-        def mix(meta, mixed, g, beta):  # one phase's sequences: the conv, then the delta rule
+        def mix(meta, mixed, g, beta, z, out):  # one phase's sequences: conv, delta rule, output norm
             # q,k and v in two blocks of one buffer: the delta rule needs v contiguous (fla's WY
             # recompute), and q, k stay column views (the ops take strides): nothing copies.
             qk, v = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool,
@@ -159,10 +162,11 @@ class GatedDeltaNet(nn.Module):
             q = qk[:, : cfg.linear_key_dim].unflatten(1, (H, K))
             k = qk[:, cfg.linear_key_dim :].unflatten(1, (H, K))
             v = v.unflatten(1, (HV, V))
-            return ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [t, HV, V]
+            o = ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [t, HV, V]
+            return ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps, out=out)  # [t, HV, V]
 
-        o = mix_by_phase(phases, scope, mix, mixed, g, beta)  # [T, HV, V]
-        o = ops.gated_rms_norm(o, z.unflatten(1, (HV, V)), self.norm.weight, self.norm.eps)  # [T, HV, V]
+        o = mix_by_phase(phases, scope, mix, mixed, g, beta, z.unflatten(1, (HV, V)),
+                         new_out=lambda: x.new_empty(T, HV, V))  # [T, HV, V]
         return self.out_proj(o.reshape(T, HV * V))
 
 
@@ -196,9 +200,12 @@ class Attention(nn.Module):
         k = ops.rms_norm_rope(k.unflatten(1, (cfg.num_key_value_heads, D)), self.k_norm.weight, self.k_norm.eps,
                               *rope)  # [T, Hkv, D]
         v = v.unflatten(1, (cfg.num_key_value_heads, D))
-        o = mix_by_phase(phases, scope, lambda meta, q, k, v: ops.attention(q, k, v, meta, key_pages, value_pages),
-                         q, k, v)  # [T, Hq, D]
-        return self.o_proj(ops.sigmoid_mul(o, gate).reshape(T, -1))
+        def mix(meta, q, k, v, gate, out):  # one phase's sequences: attention, its output gate
+            return ops.sigmoid_mul(ops.attention(q, k, v, meta, key_pages, value_pages), gate, out=out)
+
+        o = mix_by_phase(phases, scope, mix, q, k, v, gate,
+                         new_out=lambda: x.new_empty(T, cfg.num_attention_heads, D))  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, -1))
 
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):

@@ -131,6 +131,29 @@ def test_packed_views_bit_identical(interp):
         assert all(torch.equal(p, q) for p, q in zip(packed, copied)), f"pair {i}"
 
 
+def test_outputs_written_into_a_token_slice(interp):
+    """`out=` (the model's phases, each writing its own tokens of one buffer): the same bits as a
+    new output, in the slice only; the reference writes the same way; a bad `out` is refused."""
+    g = torch.Generator().manual_seed(8)
+    T, H, D = 40, 2, 32
+    o, z, gate = (torch.randn(T, H, D, generator=g) for _ in range(3))
+    w = torch.randn(D, generator=g) * 0.3
+    n, act = interp.norms, interp.activations
+    for name, kernel, ref, args in (("gated_rms_norm", n.gated_rms_norm, reference.gated_rms_norm, (z, w, EPS)),
+                                    ("sigmoid_mul", act.sigmoid_mul, reference.sigmoid_mul, (gate,))):
+        rows = [a[5:25] if isinstance(a, torch.Tensor) and a.ndim == 3 else a for a in args]
+        for f in (kernel, ref):
+            whole = torch.full((T + 10, H, D), 7.0)
+            y = f(o[5:25], *rows, out=whole[3:23])
+            assert y.data_ptr() == whole[3:23].data_ptr(), name
+            assert torch.equal(whole[3:23], f(o[5:25], *rows)), name
+            assert (whole[:3] == 7).all() and (whole[23:] == 7).all(), f"{name} wrote outside its slice"
+        with pytest.raises(ValueError, match="out"):
+            kernel(o, *args, out=torch.empty(T, H, D, dtype=torch.float64))
+        with pytest.raises(ValueError, match="out"):
+            kernel(o, *args, out=torch.empty(T, H, 2 * D)[..., :D])  # not contiguous
+
+
 def test_empty_and_bad_shapes(interp):
     n, act = interp.norms, interp.activations
     w = torch.ones(8)

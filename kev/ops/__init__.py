@@ -95,7 +95,8 @@ class Ops(Protocol):
         z: torch.Tensor,  # [T, HV, V] gate (may be a strided view)
         weight: torch.Tensor,  # [V]: plain scale
         eps: float,
-    ) -> torch.Tensor:  # [T, HV, V] rms_norm(x) * weight * silu(z), x's dtype
+        out: torch.Tensor | None = None,  # [T, HV, V] contiguous to write into (a phase's token slice)
+    ) -> torch.Tensor:  # [T, HV, V] rms_norm(x) * weight * silu(z), x's dtype (`out` when given)
         ...
 
     def silu_mul(
@@ -109,7 +110,8 @@ class Ops(Protocol):
         self,
         x: torch.Tensor,  # [T, Hq, D] attention output
         gate: torch.Tensor,  # [T, Hq, D] (may be a strided view)
-    ) -> torch.Tensor:  # [T, Hq, D] x * sigmoid(gate)
+        out: torch.Tensor | None = None,  # [T, Hq, D] contiguous to write into (a phase's token slice)
+    ) -> torch.Tensor:  # [T, Hq, D] x * sigmoid(gate) (`out` when given)
         ...
 
     def delta_gates(

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kev.ops.fused import output_like
+
 
 @triton.jit
 def _round(x, DT: tl.constexpr):
@@ -123,12 +125,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x * sigmoid(gate).
 
     x:    [T, H, D] (attention output), unit stride over D
     gate: [T, H, D] same dtype (a strided view of the q projection is fine), unit stride over D
-    Returns [T, H, D] contiguous, x's dtype.
+    out:  [T, H, D] contiguous, x's dtype, to write into (a phase's token slice); None: new
+    Returns [T, H, D] contiguous, x's dtype (`out` when given).
     """
     if x.ndim != 3 or gate.shape != x.shape or gate.dtype != x.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be [T, H, D] and gate {tuple(gate.shape)} "
@@ -136,7 +139,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or gate.stride(2) != 1:
         raise ValueError(f"x and gate need unit stride over D, got {x.stride()} {gate.stride()}")
     T, H, D = x.shape
-    y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    y = output_like(x, out)
     if y.numel() == 0:
         return y
     BD = triton.next_power_of_2(D)

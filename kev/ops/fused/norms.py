@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kev.ops.fused import output_like
+
 
 @triton.jit(do_not_specialize=["R"])
 def rms_norm_fwd_kernel(
@@ -201,20 +203,22 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     return _launch_rms_norm(x, None, weight, eps, cos, sin)[0]
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head RMSNorm (plain weight scale) times silu(z): the DeltaNet output norm.
 
     x:      [T, H, D] delta-rule output, unit stride over D
     z:      [T, H, D] gate (a strided column view of the fused projection is fine)
     weight: [D] contiguous
-    Returns [T, H, D] contiguous, x's dtype.
+    out:    [T, H, D] contiguous, x's dtype, to write into (a phase's token slice); None: new
+    Returns [T, H, D] contiguous, x's dtype (`out` when given).
     """
     if x.ndim != 3 or z.shape != x.shape:
         raise ValueError(f"x {tuple(x.shape)} must be [T, H, D] and z {tuple(z.shape)} the same")
     T, H, D, sx_t, sx_h = _as_rows("x", x)
     _, _, _, sz_t, sz_h = _as_rows("z", z)
     _check_weight(weight, D)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = output_like(x, out)
     R = T * H
     if R == 0:
         return y

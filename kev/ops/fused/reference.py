@@ -42,12 +42,14 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per value head: RMS-normalise in fp32, plain `weight` scale, times silu(z) (DeltaNet output)."""
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per value head: RMS-normalise in fp32, plain `weight` scale, times silu(z) (DeltaNet output).
+    `out`: written into and returned (a phase's token slice of the pass's output)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(x.dtype)
-    return (h * silu(z.float())).to(x.dtype)
+    return written((h * silu(z.float())).to(x.dtype), out)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -55,9 +57,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu(gate) * up
 
 
-def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The attention output gate: x * sigmoid(gate)."""
-    return x * sigmoid(gate)
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention output gate: x * sigmoid(gate). `out`: written into and returned."""
+    return written(x * sigmoid(gate), out)
+
+
+def written(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`y`, or `out` holding it (same shape and dtype, else ValueError)."""
+    if out is None:
+        return y
+    if out.shape != y.shape or out.dtype != y.dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {tuple(y.shape)} {y.dtype}")
+    return out.copy_(y)
 
 
 def delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
