@@ -145,7 +145,8 @@ class GatedDeltaNet(nn.Module):
     def fuse_projections(self) -> None:
         self.fused = FusedProjection([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
-    def forward(self, x, phases: Phases, ops: Ops, recurrent_pool, conv_pool, scope: MixerScope = _no_scope):
+    def forward(self, x, phases: Phases, ops: Ops, recurrent_pool, conv_pool, scope: MixerScope = _no_scope,
+                keep: torch.Tensor | None = None):  # keep: the only tokens whose output is read (None: all)
         cfg, T = self.cfg, x.shape[0]
         H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if self.fused is not None:
@@ -167,7 +168,8 @@ class GatedDeltaNet(nn.Module):
 
         o = mix_by_phase(phases, scope, mix, mixed, g, beta, z.unflatten(1, (HV, V)),
                          new_out=lambda: x.new_empty(T, HV, V))  # [T, HV, V]
-        return self.out_proj(o.reshape(T, HV * V))
+        o = o if keep is None else o[keep]
+        return self.out_proj(o.flatten(1))
 
 
 class Attention(nn.Module):
@@ -188,7 +190,8 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         self.fused = FusedProjection([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x, rope, phases: Phases, ops: Ops, key_pages, value_pages, scope: MixerScope = _no_scope):
+    def forward(self, x, rope, phases: Phases, ops: Ops, key_pages, value_pages, scope: MixerScope = _no_scope,
+                keep: torch.Tensor | None = None):  # keep: the only tokens whose output is read (None: all)
         cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
         if self.fused is not None:
             qg, k, v = self.fused(x)  # column views of one [T, Hq 2D + 2 Hkv D] buffer
@@ -205,7 +208,8 @@ class Attention(nn.Module):
 
         o = mix_by_phase(phases, scope, mix, q, k, v, gate,
                          new_out=lambda: x.new_empty(T, cfg.num_attention_heads, D))  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, -1))
+        o = o if keep is None else o[keep]
+        return self.o_proj(o.flatten(1))
 
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
@@ -320,16 +324,19 @@ class Qwen35Model(nn.Module):
                 normed = ops.rms_norm(x, norm.weight, norm.eps)
             else:
                 x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps)
+            # The head only reads <decide> and each </opt>: past the last mixer (its output projection,
+            # the last MLP, the final norm) only those tokens run. A state pass reads none (0 picks).
+            keep = picks if i == last else None
             if layer.layer_type is LayerType.DELTANET:
-                h = layer.linear_attn(normed, phases, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i], scope)
+                h = layer.linear_attn(normed, phases, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i], scope,
+                                      keep)
                 deltanet_i += 1
             else:
                 h = layer.self_attn(normed, rope, phases, ops, pools.keys[attention_i], pools.values[attention_i],
-                                    scope)
+                                    scope, keep)
                 attention_i += 1
-            if i == last and picks is not None:
-                # the head only reads <decide> and each </opt>: the last MLP and the final norm run on just those
-                x, h = x[picks], h[picks]
+            if keep is not None:
+                x = x[keep]
             norm = layer.post_attention_layernorm
             x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps)
             h = layer.mlp(normed, ops)
