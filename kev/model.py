@@ -203,6 +203,7 @@ class Attention(nn.Module):
         k = ops.rms_norm_rope(k.unflatten(1, (cfg.num_key_value_heads, D)), self.k_norm.weight, self.k_norm.eps,
                               *rope)  # [T, Hkv, D]
         v = v.unflatten(1, (cfg.num_key_value_heads, D))
+
         def mix(meta, q, k, v, gate, out):  # one phase's sequences: attention, its output gate
             return ops.sigmoid_mul(ops.attention(q, k, v, meta, key_pages, value_pages), gate, out=out)
 
