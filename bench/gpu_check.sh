@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 5's GPU batch in device calls of at most 600 s: the GPU tests (~370 s on the H200 since
 # split-mode attention's tests), then the single-request figures with their profile and the
-# shape-class config map (~180 s), and the attention A/B (~50 s) on request. Each step writes its
+# shape-class config map (~180 s); on request the attention A/B (~50 s) and the matmul-floor
+# figures, `row_pass.json` and `state_pass.json` (limits 150 s + 200 s). Each step writes its
 # log and results under $OUT and has its own time limit; one failing or running out of time does
-# not stop the others. Name the steps; the default is all but the A/B (~550 s, one call; limits 390 + 80 + 120):
+# not stop the others. Name the steps; the default is `tests perf` (~550 s, one call; limits 390 + 80 + 120):
 #
 # On the device machine, from the repository root, carrying .whl (bench/device_carry.sh builds it):
 #     KEV_COMMIT=<sha> bash bench/gpu_check.sh                  # tests perf
 #     KEV_COMMIT=<sha> bash bench/gpu_check.sh perf ab          # figures only
+#     KEV_COMMIT=<sha> bash bench/gpu_check.sh floors           # row pass and state pass
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the device output folder}"
@@ -20,7 +22,7 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log,
     shift 2
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    echo "$name: rc $rc in $((SECONDS - start)) s; $(grep -E 'passed|failed|new .* ms|worst' "$OUT/$name.log" | tail -2 | tr '\n' ' ')"
+    echo "$name: rc $rc in $((SECONDS - start)) s; $(grep -E 'passed|failed|new .* ms|worst|efficiency' "$OUT/$name.log" | tail -2 | tr '\n' ' ')"
 }
 
 for what in "${@:-tests perf}"; do
@@ -34,7 +36,11 @@ for what in "${@:-tests perf}"; do
                     --profile-out "$OUT/single_request_profile.txt"
                 step autotune_map 120 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json" ;;
             ab) step attention_ab 80 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
-            *) echo "unknown step $s (tests, perf, ab)"; exit 2 ;;
+            floors)
+                step row_pass 150 python3 -m bench.row_pass --out "$OUT/row_pass.json" \
+                    --kernels-out "$OUT/row_pass_kernels.json"
+                step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
+            *) echo "unknown step $s (tests, perf, ab, floors)"; exit 2 ;;
         esac
     done
 done
