@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== start-up plan: KEV_GRAPH_ROWS={args.graph_rows} KEV_GRAPH_DOCS={args.graph_docs} "
           f"KEV_WARM_CLASSES={args.scorer_warm_classes} (scorers) / {args.bank_warm_classes} (bank) "
           f"KEV_GATHERED_MAX_PREFIX_TOKENS={args.gathered_max_prefix_tokens} baseline warm widths "
-          f"{args.baseline_warm_widths} rows {args.baseline_warm_min_rows}..{args.baseline_warm_rows}", file=sys.stderr, flush=True)
+          f"{args.baseline_warm_widths} rows {args.baseline_warm_min_rows}..{args.baseline_warm_rows}",
+          file=sys.stderr, flush=True)
 
     env = environment()
     workdir = Path(tempfile.mkdtemp(prefix="kev-load-"))  # the baseline's log; the CPU checkpoint

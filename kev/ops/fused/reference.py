@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kev.invariant import sigmoid, silu, softplus
+from kev.ops.fused import output_like
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,7 +50,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(x.dtype)
-    return written((h * silu(z.float())).to(x.dtype), out)
+    return _written((h * silu(z.float())).to(x.dtype), out)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -59,16 +60,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output gate: x * sigmoid(gate). `out`: written into and returned."""
-    return written(x * sigmoid(gate), out)
+    return _written(x * sigmoid(gate), out)
 
 
-def written(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """`y`, or `out` holding it (same shape and dtype, else ValueError)."""
-    if out is None:
-        return y
-    if out.shape != y.shape or out.dtype != y.dtype:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be {tuple(y.shape)} {y.dtype}")
-    return out.copy_(y)
+def _written(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`y`, or `out` holding it (checked as the kernels check theirs)."""
+    return y if out is None else output_like(y, out).copy_(y)
 
 
 def delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
