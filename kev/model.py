@@ -102,6 +102,16 @@ class FusedProjection:
                                "call fuse_projections() again")
         return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)  # [T, sum(out)] -> column views
 
+    def first_from(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
+        """As calling it, but the first linear only on x[start:] (two GEMMs): ([T - start, out0],
+        the others as column views of one [T, rest] buffer)."""
+        if start == 0:
+            return self(x)
+        n, b = self.splits[0], self.bias
+        first = F.linear(x[start:], self.weight[:n], None if b is None else b[:n])
+        rest = F.linear(x, self.weight[n:], None if b is None else b[n:]).split(self.splits[1:], dim=-1)
+        return (first, *rest)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -146,28 +156,42 @@ class GatedDeltaNet(nn.Module):
         self.fused = FusedProjection([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     def forward(self, x, phases: Phases, ops: Ops, recurrent_pool, conv_pool, scope: MixerScope = _no_scope,
-                keep: torch.Tensor | None = None):  # keep: the only tokens whose output is read (None: all)
+                keep: torch.Tensor | None = None,  # keep: the only tokens whose output is read (None: all)
+                joined: PassMeta | None = None):  # several phases as one pass (PhasedMeta.joined)
         cfg, T = self.cfg, x.shape[0]
         H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kd = cfg.linear_key_dim
         if self.fused is not None:
             mixed, z, b, a = self.fused(x)  # column views of one [T, conv_dim + value_dim + 2 HV] buffer
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
+        z = z.unflatten(1, (HV, V))
 
-        def mix(meta, mixed, g, beta, z, out):  # one phase's sequences: conv, delta rule, output norm
+        def conv(meta, mixed, out=None):  # -> q, k [t, H, K], v [t, HV, V]
             # q,k and v in two blocks of one buffer: the delta rule needs v contiguous (fla's WY
             # recompute), and q, k stay column views (the ops take strides): nothing copies.
-            qk, v = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool,
-                                    split=2 * cfg.linear_key_dim)
-            q = qk[:, : cfg.linear_key_dim].unflatten(1, (H, K))
-            k = qk[:, cfg.linear_key_dim :].unflatten(1, (H, K))
-            v = v.unflatten(1, (HV, V))
-            o = ops.gated_delta_rule(q, k, v, g, beta, meta, recurrent_pool)  # [t, HV, V]
-            return ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps, out=out)  # [t, HV, V]
+            qk, v = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool, split=2 * kd, out=out)
+            return qk[:, :kd].unflatten(1, (H, K)), qk[:, kd:].unflatten(1, (H, K)), v.unflatten(1, (HV, V))
 
-        o = mix_by_phase(phases, scope, mix, mixed, g, beta, z.unflatten(1, (HV, V)),
-                         new_out=lambda: x.new_empty(T, HV, V))  # [T, HV, V]
+        if joined is None:  # one phase
+            (_, _, meta), = phases
+            with scope(meta, T):
+                o = ops.gated_delta_rule(*conv(meta, mixed), g, beta, meta, recurrent_pool)  # [T, HV, V]
+                o = ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+        else:
+            # Only the conv and the delta rule's state pass read what an earlier phase wrote (a new
+            # document's conv tail and state): they run phase by phase, into one output. The
+            # per-chunk steps of the delta rule and the norm run once over every phase's tokens.
+            flat = x.new_empty(T * cfg.conv_dim)
+            qk_all, v_all = flat[: T * 2 * kd].view(T, 2 * kd), flat[T * 2 * kd :].view(T, cfg.conv_dim - 2 * kd)
+            for start, end, meta in phases:
+                with scope(meta, end - start):
+                    conv(meta, mixed[start:end], out=(qk_all[start:end], v_all[start:end]))
+            q, k = qk_all[:, :kd].unflatten(1, (H, K)), qk_all[:, kd:].unflatten(1, (H, K))
+            with scope(joined, T):
+                o = ops.gated_delta_rule(q, k, v_all.unflatten(1, (HV, V)), g, beta, joined, recurrent_pool)
+                o = ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         o = o if keep is None else o[keep]
         return self.out_proj(o.flatten(1))
 
@@ -192,24 +216,37 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, phases: Phases, ops: Ops, key_pages, value_pages, scope: MixerScope = _no_scope,
                 keep: torch.Tensor | None = None):  # keep: the only tokens whose output is read (None: all)
-        cfg, T, D = self.cfg, x.shape[0], self.cfg.head_dim
+        cfg, T, D, Hq = self.cfg, x.shape[0], self.cfg.head_dim, self.cfg.num_attention_heads
+        # With `keep` (the last layer) the phases no kept token lies in only store their K/V: no
+        # queries, no attention. Picks lie in a sweep's last phase (its rows, kev.ops.meta.PhasedMeta)
+        # and a state pass has none, so queries start at `read`: the rows' first token, or T.
+        read = 0 if keep is None else phases[-1][0] if keep.numel() else T
         if self.fused is not None:
-            qg, k, v = self.fused(x)  # column views of one [T, Hq 2D + 2 Hkv D] buffer
+            qg, k, v = self.fused.first_from(x, read)  # [T - read, Hq 2D]; k, v [T, Hkv D] column views
         else:
-            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        qg = qg.unflatten(1, (cfg.num_attention_heads, 2 * D))  # [T, Hq, 2D]
+            qg, k, v = self.q_proj(x[read:]), self.k_proj(x), self.v_proj(x)
+        qg = qg.unflatten(1, (Hq, 2 * D))  # [T - read, Hq, 2D]
         q, gate = qg[..., :D], qg[..., D:]
-        q = ops.rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)  # [T, Hq, D]
+        cos, sin = rope
+        q = ops.rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos[read:], sin[read:])  # [T - read, Hq, D]
         k = ops.rms_norm_rope(k.unflatten(1, (cfg.num_key_value_heads, D)), self.k_norm.weight, self.k_norm.eps,
-                              *rope)  # [T, Hkv, D]
+                              cos, sin)  # [T, Hkv, D]
         v = v.unflatten(1, (cfg.num_key_value_heads, D))
+        for start, end, meta in phases:
+            if end <= read and end > start:
+                with scope(meta, end - start):
+                    ops.store_kv(k[start:end], v[start:end], meta, key_pages, value_pages,
+                                 Hq // cfg.num_key_value_heads)
 
         def mix(meta, q, k, v, gate, out):  # one phase's sequences: attention, its output gate
             return ops.sigmoid_mul(ops.attention(q, k, v, meta, key_pages, value_pages), gate, out=out)
 
-        o = mix_by_phase(phases, scope, mix, q, k, v, gate,
-                         new_out=lambda: x.new_empty(T, cfg.num_attention_heads, D))  # [T, Hq, D]
-        o = o if keep is None else o[keep]
+        queried = [(s - read, e - read, m) for s, e, m in phases if s >= read]
+        if not queried:  # a state pass's last layer: nothing reads its output
+            return self.o_proj(x.new_empty(0, Hq * D))
+        o = mix_by_phase(queried, scope, mix, q, k[read:], v[read:], gate,
+                         new_out=lambda: x.new_empty(T - read, Hq, D))  # [T - read, Hq, D]
+        o = o if keep is None else o[keep - read if read else keep]
         return self.o_proj(o.flatten(1))
 
 
@@ -314,6 +351,11 @@ class Qwen35Model(nn.Module):
         mixer_scope: MixerScope | None = None,  # around each phase's token mixing (phased passes)
     ) -> torch.Tensor:  # [P or T, d] after the final norm
         phases, scope = as_phases(meta, tokens.shape[0]), mixer_scope or _no_scope
+        joined = meta.joined if isinstance(meta, PhasedMeta) and len(phases) > 1 else None
+        if picks is not None and len(phases) > 1 and picks.device.type == "cpu" and picks.numel() \
+                and int(picks.min()) < phases[-1][0]:  # checked where it costs no device read
+            raise ValueError("a phased pass's picks must lie in its last phase (the rows): the last layer "
+                             "runs no queries for the earlier phases")
         x = self.embed_tokens(tokens)
         rope = rope_tables(meta.token_positions(), self.cfg, x.dtype)
         deltanet_i = attention_i = 0
@@ -330,7 +372,7 @@ class Qwen35Model(nn.Module):
             keep = picks if i == last else None
             if layer.layer_type is LayerType.DELTANET:
                 h = layer.linear_attn(normed, phases, ops, pools.recurrent[deltanet_i], pools.conv[deltanet_i], scope,
-                                      keep)
+                                      keep, joined)
                 deltanet_i += 1
             else:
                 h = layer.self_attn(normed, rope, phases, ops, pools.keys[attention_i], pools.values[attention_i],

@@ -169,3 +169,15 @@ class StaticPass:
         self.write_slots.copy_(dev[2 * T + N + 1 :])
         D = len(documents)
         self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
+
+
+def joined_indices(first: StaticPass, then: StaticPass):
+    """The static `PassIndices` of a sweep's `PhasedMeta.joined` (`first`'s sequences, then
+    `then`'s): the two chunk lists back to back, `then`'s sequences and chunks counted after
+    `first`'s. The delta rule's per-chunk steps read it; attention stays phased (no attention chunks)."""
+    from kev.ops.triton_ops import PassIndices
+
+    seq_shift = torch.tensor([first.key.num_slots, 0], dtype=torch.int64, device=first.chunks.device)
+    NT = first.chunks.shape[0]
+    return PassIndices(chunks=torch.cat([first.chunks, then.chunks + seq_shift]),
+                       chunk_offsets=torch.cat([first.chunk_offsets, then.chunk_offsets[1:] + NT]), attn_chunks={})

@@ -243,6 +243,36 @@ def test_sweep_graph_replays_equal_eager_bitwise(setup, doc_lens, n_rows):
     assert graphed.stats.captures == 1 and graphed.stats.replays == 3 and eager.stats.eager_bucketed == 3
 
 
+def test_sweep_indexed_equals_gathered_bitwise(setup):
+    """One sweep through the indexed ops and through the gathered ones (the same tuner, so the same
+    configs): hidden states and stored states equal bit for bit. The joined delta rule's rows start
+    from their new document's state, which the gathered variant copies after the documents' scan."""
+    from kev.ops.gathered_ops import GatheredOps
+
+    runner, bank = setup["runner"], setup["bank"]
+    gathered = Runner(runner.model, bank, GatheredOps(), tuner=setup["tuner"])
+    g = torch.Generator().manual_seed(11)
+    doc_lens = (700, 30)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in doc_lens]
+    lens = torch.randint(1, 33, (9,), generator=g).tolist()
+    rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
+    owners = [0, 1, 2, 0, 3, 1, 0, 2, 1]  # the sweep's two documents and two stored ones
+    outs = []
+    for passes in (runner, gathered):
+        handles = [bank.alloc(n) for n in doc_lens]
+        every, every_len = handles + setup["handles"], list(doc_lens) + list(DOC_LENS)
+        batch = RowBatch.build(rows, [every[o] for o in owners], [every_len[o] for o in owners],
+                               [[n - 1] for n in lens], device="cuda")
+        hidden = passes.state_and_row_pass(docs, handles, batch)
+        outs.append((hidden, [s.clone() for h, n in zip(handles, doc_lens) for s in slot_states(bank, h, n)]))
+        for h in handles:
+            bank.free(h)
+    (a, states_a), (b, states_b) = outs
+    assert torch.isfinite(a.float()).all()
+    assert torch.equal(a, b), f"indexed != gathered, max {(a.float() - b.float()).abs().max()}"
+    assert all(torch.equal(x, y) for x, y in zip(states_a, states_b)), "the two stored other states"
+
+
 def test_every_launched_autotuner_is_class_cached(setup, monkeypatch):
     runner, hot = setup["runner"], setup["tuner"].autotuners
     launched = set()

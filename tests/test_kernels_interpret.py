@@ -180,6 +180,75 @@ def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio):
     assert rel_err(expect, pool) <= 2e-3
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["indexed", "gathered"])
+def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathered):
+    """A joined pass (new documents, then rows reading the slots they write): the state passes run
+    phase by phase, everything else once over all tokens; outputs and pools equal the two phases
+    run as passes of their own, bit for bit (the per-chunk steps work chunk by chunk). The gathered
+    variant copies the rows' start states right before their phase, after the documents wrote them."""
+    g = torch.Generator().manual_seed(31)
+    H, HV, K, V, S = 2, 4, 16, 16, 6
+    phases = [([65, 2], [-1, 3], [1, 4]), ([1, 70, 5], [1, 4, 3], [-1, -1, -1])]  # rows read slots 1, 4 and 3
+    lens = [n for ls, _, _ in phases for n in ls]
+    T = sum(lens)
+    q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
+    v, beta = torch.randn(T, HV, V, generator=g), torch.rand(T, HV, generator=g)
+    gate = -torch.rand(T, HV, generator=g) * 0.5
+    _, pool = strided_pool(g, (S, HV, K, V))
+    pool.mul_(0.3)
+    pool_alone = pool.clone()
+    idx = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    read, write = idx([r for _, rs, _ in phases for r in rs]), idx([w for _, _, ws in phases for w in ws])
+    if gathered:
+        ops = interp.gathered_ops.GatheredOps()
+        meta = PassMeta(cu_seqlens=packed(lens), read_slots=read, write_slots=write,
+                        prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
+                        block_table=torch.zeros(len(lens), 1, dtype=torch.int32), phases=(2, 3))
+        joined = ops.gated_delta_rule(q, k, v, gate, beta, meta, pool)
+    else:
+        joined = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=packed(lens),
+                                                            state_pool=pool, read_slots=read, write_slots=write,
+                                                            phases=(2, 3))
+    start = 0
+    for ls, rs, ws in phases:
+        end = start + sum(ls)
+        alone = interp.scan.indexed_chunk_gated_delta_rule(
+            q=q[start:end], k=k[start:end], v=v[start:end], g=gate[start:end], beta=beta[start:end],
+            cu_seqlens=packed(ls), state_pool=pool_alone, read_slots=idx(rs), write_slots=idx(ws))
+        assert torch.equal(joined[start:end], alone)
+        start = end
+    assert torch.equal(pool, pool_alone)
+    with pytest.raises(ValueError, match="phases"):
+        interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=packed(lens),
+                                                   state_pool=pool, read_slots=read, write_slots=write, phases=(2, 2))
+
+
+def test_conv_writes_phase_slices_of_one_output(interp, poisoned):
+    """`out=`: two phases' convs store their token slices of one split output (the second reading
+    the slot the first writes); the same bits as each phase's own output."""
+    g = torch.Generator().manual_seed(12)
+    C, W, split = 48, 4, 32
+    x = torch.randn(80, C, generator=g)
+    weight = torch.randn(C, W, generator=g)
+    pool = torch.randn(4, C, W - 1, generator=g)
+    pool_alone = pool.clone()
+    flat = torch.full((80 * C,), float("nan"))
+    head, tail = flat[: 80 * split].view(80, split), flat[80 * split:].view(80, C - split)
+    phases = [(0, 66, [66], [-1], [2]), (66, 80, [10, 4], [2, 0], [-1, -1])]
+    for s, e, lens, rs, ws in phases:
+        kw = dict(weight=weight, cu_seqlens=packed(lens), read_slots=torch.tensor(rs), write_slots=torch.tensor(ws))
+        interp.conv.indexed_causal_conv(x=x[s:e], conv_pool=pool, split=split, out=(head[s:e], tail[s:e]), **kw)
+        own_head, own_tail = interp.conv.indexed_causal_conv(x=x[s:e], conv_pool=pool_alone, split=split, **kw)
+        assert torch.equal(head[s:e], own_head) and torch.equal(tail[s:e], own_tail)
+    assert torch.equal(pool, pool_alone) and not flat.isnan().any()
+    kw = dict(weight=weight, cu_seqlens=packed([80]), read_slots=torch.tensor([-1]), write_slots=torch.tensor([-1]))
+    with pytest.raises(ValueError, match="after its first"):
+        swapped = flat[: 80 * (C - split)].view(80, C - split), flat[80 * (C - split):].view(80, split)
+        interp.conv.indexed_causal_conv(x=x, conv_pool=pool, split=split, out=swapped[::-1], **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        interp.conv.indexed_causal_conv(x=x, conv_pool=pool, split=split, out=(head[:40], tail), **kw)
+
+
 def test_packed_views_bit_identical(interp):
     """Packed q/k/v column views give bit-identical outputs to contiguous copies."""
     g = torch.Generator().manual_seed(5)
@@ -277,6 +346,46 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     assert torch.equal(kbase[outside], kbefore[outside])
 
 
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
+@pytest.mark.parametrize("case", ATTN_CASES, ids=list(ATTN_CASES))
+def test_paged_store_writes_what_attention_writes(interp, poisoned, case, heads):
+    """The store-only kernel (a state pass's last layer) leaves the very pages the attention kernel
+    leaves, bit for bit, and so does the torch reference's `store_kv`; nothing else is touched."""
+    lens, prefixes, write = ATTN_CASES[case]
+    HQ, HKV = heads
+    D, BS, NB = 32, 16, 96
+    g = torch.Generator().manual_seed(7 * HQ + len(lens))
+    T, N = sum(lens), len(lens)
+    q = torch.randn(T, HQ, D, generator=g)
+    k = torch.randn(T, HKV, D + 8, generator=g)[..., 2:2 + D]  # strided views
+    v = torch.randn(T, HKV, D, generator=g)
+    _, key_pages = strided_pool(g, (NB, BS, HKV, D))
+    _, value_pages = strided_pool(g, (NB, BS, HKV, D))
+    perm = torch.randperm(NB, generator=g)
+    MB, table, used = 72, [], 0
+    for L, P in zip(lens, prefixes):
+        need = -(-(P + L) // BS)
+        table.append(perm[used:used + need].tolist() + [-1] * (MB - need))
+        used += need
+    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
+                    write_slots=torch.tensor(write), prefix_lens=torch.tensor(prefixes),
+                    block_table=torch.tensor(table, dtype=torch.int32))
+    pages = {name: (key_pages.clone(), value_pages.clone()) for name in ("attention", "store", "torch")}
+    attn = interp.attn
+    attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
+                                key_pages=pages["attention"][0], value_pages=pages["attention"][1],
+                                block_table=meta.block_table, write_slots=meta.write_slots)
+    chunks = attn.prepare_chunk_indices(meta.cu_seqlens, attn.query_block(HQ // HKV))
+    attn.paged_store(k, v, meta.cu_seqlens, meta.prefix_lens, *pages["store"], meta.block_table, meta.write_slots,
+                     chunk_indices=chunks, group=HQ // HKV)
+    TorchOps().store_kv(k, v, meta, *pages["torch"], group=HQ // HKV)
+    for name in ("store", "torch"):
+        assert torch.equal(pages[name][0], pages["attention"][0]), name
+        assert torch.equal(pages[name][1], pages["attention"][1]), name
+    if any(w >= 0 for w in write):
+        assert not torch.equal(pages["store"][0], key_pages), "nothing was stored"
+
+
 def test_attention_configs_keep_a_dot_operand():
     """The autotuner only tries value splits whose slice is still a dot operand (>= 16 features)."""
     from kev.ops.attention.paged_prefix import valid_configs
@@ -313,6 +422,43 @@ def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
     assert rel_err(outs["torch"], outs["indexed"]) <= 2e-3
     for a, b in zip(banks["torch"].tensors(), banks["indexed"].tensors()):
         assert rel_err(a, b) <= 2e-3
+
+
+def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_model):
+    """Whole model, one sweep (`Runner.state_and_row_pass`): new documents, then rows over them and
+    over a stored one, in one pass over the weights (the joined delta rule, the last layer's
+    K/V-only store). Triton indexed == gathered bit for bit, both ~= torch and ~= two passes."""
+    from kev.bank.bank import Bank
+    from kev.runner import RowBatch, Runner
+
+    g = torch.Generator().manual_seed(4)
+    stored_doc = [torch.randint(0, 300, (90,), generator=g).tolist()]
+    new_docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (66, 3)]
+    rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 70, 2)]
+    outs, banks = {}, {}
+    named = (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps()),
+             ("gathered", interp.gathered_ops.GatheredOps()))
+    for name, ops in named:
+        for sweep in (True, False):
+            bank = Bank.allocate(tiny_model.cfg, num_slots=6, num_blocks=64, block_size=16)
+            runner = Runner(tiny_model, bank, ops)
+            old = bank.alloc(90)
+            runner.state_pass(stored_doc, [old])
+            new = [bank.alloc(len(d)) for d in new_docs]
+            owners = [new[0], old, new[1]]
+            batch = RowBatch.build(rows, owners, [66, 90, 3], [[len(r) - 1, 0] for r in rows])
+            if sweep:
+                outs[name, sweep] = runner.state_and_row_pass(new_docs, new, batch)
+            else:
+                runner.state_pass(new_docs, new)
+                outs[name, sweep] = runner.row_pass(batch)
+            banks[name, sweep] = [t.clone() for t in bank.pools.tensors()]
+    assert torch.equal(outs["indexed", True], outs["gathered", True])
+    assert all(torch.equal(a, b) for a, b in zip(banks["indexed", True], banks["gathered", True]))
+    for name in ("indexed", "torch"):
+        assert rel_err(outs["torch", False], outs[name, True]) <= 2e-3, name
+        for a, b in zip(banks["torch", False], banks[name, True]):
+            assert rel_err(a, b) <= 2e-3, name
 
 
 # ---- compile count: the real JIT front end, a fake Hopper target, nothing compiled ----

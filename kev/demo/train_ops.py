@@ -120,7 +120,7 @@ class SweepTrainOps(TorchOps):
             self._last = (meta, _layout(meta, device))
         return self._last[1]
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None, out=None):
         lay = self._layout(meta, x.device)
         W, C = weight.shape[1], x.shape[1]
         w = weight[:, None, :].to(x.dtype)
@@ -131,7 +131,7 @@ class SweepTrainOps(TorchOps):
         start = xd.gather(2, cols[:, None, :].expand(-1, C, -1))  # [Nd, C, W-1]
         xr = torch.cat([start[lay.row_doc], lay.rows.pad(x).transpose(1, 2)], dim=2)  # [Nr, C, W-1+Lr]
         yr = F.silu(F.conv1d(xr, w, groups=C)).transpose(1, 2)  # [Nr, Lr, C]
-        return channel_blocks(lay.merge(lay.docs.unpad(yd), lay.rows.unpad(yr)), split)
+        return channel_blocks(lay.merge(lay.docs.unpad(yd), lay.rows.unpad(yr)), split, out)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         lay = self._layout(meta, v.device)

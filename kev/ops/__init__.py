@@ -17,10 +17,18 @@ import torch
 from kev.ops.meta import HostMeta, PassMeta
 
 
-def channel_blocks(y: torch.Tensor, split: int | None):
+def channel_blocks(y: torch.Tensor, split: int | None, out=None):
     """`causal_conv`'s return for ops whose output is one [T, C] tensor: itself (split None), or
-    its channels [0, split) and [split, C) as two views (only the GPU kernels need them contiguous)."""
-    return y if split is None else (y[:, :split], y[:, split:])
+    its channels [0, split) and [split, C) as two views (only the GPU kernels need them contiguous);
+    with `out` (as `causal_conv` returns it), y copied there."""
+    blocks = y if split is None else (y[:, :split], y[:, split:])
+    if out is None:
+        return blocks
+    for dst, src in zip((out,) if split is None else out, (blocks,) if split is None else blocks):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"out block {tuple(dst.shape)} {dst.dtype} must be {tuple(src.shape)} {src.dtype}")
+        dst.copy_(src)
+    return out
 
 
 class Ops(Protocol):
@@ -33,6 +41,7 @@ class Ops(Protocol):
         meta: PassMeta,
         conv_pool: torch.Tensor,  # [S, C, W-1]: the last W-1 inputs of each stored sequence
         split: int | None = None,  # None: one [T, C] output; s: channels [0, s) and [s, C) apart
+        out=None,  # where to write the result, in the returned form (a phase's token slice of a sweep's)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, C] silu(conv(x)) in x's dtype, or
         ...  # its two channel blocks [T, s], [T, C - s] (contiguous on GPU: the model's q,k and v)
 
@@ -43,7 +52,7 @@ class Ops(Protocol):
         v: torch.Tensor,  # [T, HV, V]
         g: torch.Tensor,  # [T, HV] fp32 log decay
         beta: torch.Tensor,  # [T, HV]
-        meta: PassMeta,
+        meta: PassMeta,  # may be a `PhasedMeta.joined`: its phases' state passes run in order
         state_pool: torch.Tensor,  # [S, HV, K, V] fp32
     ) -> torch.Tensor:  # [T, HV, V]
         ...
@@ -57,6 +66,17 @@ class Ops(Protocol):
         key_pages: torch.Tensor,  # [NB, BS, Hkv, D]
         value_pages: torch.Tensor,  # [NB, BS, Hkv, D]
     ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+    def store_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D] after norm and RoPE
+        v: torch.Tensor,  # [T, Hkv, D]
+        meta: PassMeta,
+        key_pages: torch.Tensor,  # [NB, BS, Hkv, D]
+        value_pages: torch.Tensor,  # [NB, BS, Hkv, D]
+        group: int,  # Hq / Hkv of the attention it replaces (the GPU kernel's token blocks)
+    ) -> None:  # `attention`'s K/V store alone: the same pages, the same bits
         ...
 
 

@@ -119,20 +119,27 @@ class GatheredOps(TritonOps):
             plans[block_size] = (meta.block_table[:, :P].clamp(min=0).reshape(-1).long(), table)
         return plans[block_size]
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None, out=None):
         plan = self.plan(meta)
         rows = torch.index_select(conv_pool, 0, plan.rows, out=self.buffer("conv", meta.num_seqs, conv_pool))
         return indexed_causal_conv(x=x, weight=weight, cu_seqlens=meta.cu_seqlens, conv_pool=rows,
                                    read_slots=plan.row_slots, write_slots=meta.write_slots, out_pool=conv_pool,
-                                   chunk_indices=self.prepare(meta).chunks, split=split)
+                                   chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         plan, idx = self.plan(meta), self.prepare(meta)
-        rows = torch.index_select(state_pool, 0, plan.rows, out=self.buffer("recurrent", meta.num_seqs, state_pool))
+        buffer = self.buffer("recurrent", meta.num_seqs, state_pool)
+
+        def start_states(n0: int, n1: int):  # gathered right before the phase's state pass: it sees
+            # what the phases before it wrote (a joined meta's rows read their new document's state)
+            torch.index_select(state_pool, 0, plan.rows[n0:n1], out=buffer[n0:n1])
+            return buffer, plan.row_slots[n0:n1]
+
         return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
-                                              state_pool=rows, read_slots=plan.row_slots,
+                                              state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, out_pool=state_pool,
-                                              chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets)
+                                              chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets,
+                                              phases=meta.phases, start_states=start_states)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
         pages, row_table = self.page_plan(meta, key_pages.shape[1])

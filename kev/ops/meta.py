@@ -35,6 +35,9 @@ class PassMeta:
     # The pass's autotune class when it differs from classify(num_seqs, T): a CUDA-graph STATE bucket
     # counts each document and its padding sequence as one. None: classify from the shapes.
     shape_class: ShapeClass | None = None
+    # A joined meta (`PhasedMeta.joined`): the sequence counts of its phases, in order; the delta
+    # rule's state passes run phase by phase. Empty: one phase.
+    phases: tuple[int, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -74,7 +77,9 @@ class PhasedMeta:
 
     In every layer each mixer runs phase 0's sequences, then phase 1's, ...; so a phase may read a
     slot an earlier phase writes (its documents' states, conv tails and K/V pages, just computed).
-    Inside one phase the `PassMeta` contract holds (a slot written is read by no other sequence)."""
+    Inside one phase the `PassMeta` contract holds (a slot written is read by no other sequence).
+    The tokens a pass returns (the model's `picks`) lie in the last phase: the earlier phases are
+    documents, whose last attention layer only stores its K/V."""
 
     phases: tuple[PassMeta, ...]
     lengths: tuple[int, ...]  # host ints: tokens of each phase
@@ -95,6 +100,21 @@ class PhasedMeta:
 
     def token_positions(self) -> torch.Tensor:
         return torch.cat([m.positions for m in self.phases])
+
+    @cached_property
+    def joined(self) -> PassMeta:
+        """All phases' sequences as one pass (token offsets shifted by the phases before), in the
+        first phase's autotune class, with `phases` set: the steps of a mixer that read no state
+        (the delta rule's per-chunk work) run once over it. Device ops only, no host sync."""
+        starts = [start for start, _, _ in self.spans()]
+        cu = torch.cat([self.phases[0].cu_seqlens[:1]]
+                       + [m.cu_seqlens[1:] + start for m, start in zip(self.phases, starts)])
+        first = self.phases[0]
+        cat = lambda name: torch.cat([getattr(m, name) for m in self.phases])  # noqa: E731
+        return PassMeta(cu_seqlens=cu, read_slots=cat("read_slots"), write_slots=cat("write_slots"),
+                        prefix_lens=cat("prefix_lens"), block_table=cat("block_table"), positions=cat("positions"),
+                        shape_class=first.pass_class(self.lengths[0]),
+                        phases=tuple(m.num_seqs for m in self.phases))
 
 
 def as_phases(meta: "PassMeta | PhasedMeta", num_tokens: int) -> list[tuple[int, int, PassMeta]]:

@@ -26,9 +26,9 @@ class TorchOps(ReferenceElementwise):
 
     name = "torch"
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None, out=None):
         W = weight.shape[1]
-        out = torch.empty_like(x)
+        y = torch.empty_like(x)
         for n, s, e, read, write, _ in meta.host.seqs():
             if read >= 0:
                 start = conv_pool[read].to(x.dtype)  # [C, W-1]
@@ -36,11 +36,11 @@ class TorchOps(ReferenceElementwise):
                 start = x.new_zeros(x.shape[1], W - 1)
             full = torch.cat([start, x[s:e].t()], dim=1)  # [C, W-1+L]
             if e > s:  # an empty sequence (a CUDA-graph bucket's padding) only carries its state over
-                y = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [C, L]
-                out[s:e] = F.silu(y).t()
+                conv = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=x.shape[1])[0]  # [C, L]
+                y[s:e] = F.silu(conv).t()
             if write >= 0:
                 conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
-        return channel_blocks(out, split)
+        return channel_blocks(y, split, out)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         HV, K = v.shape[1], q.shape[2]
@@ -86,8 +86,20 @@ class TorchOps(ReferenceElementwise):
                 probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
                 out[s + b : s + b + bl] = (probs @ values[:, :visible]).transpose(0, 1)
             if write >= 0:
-                pos = torch.arange(prefix, prefix + L, device=q.device)
-                page = torch.tensor(pages, device=q.device)[pos // BS]
-                key_pages[page, pos % BS] = k[s:e].detach().to(key_pages.dtype)
-                value_pages[page, pos % BS] = v[s:e].detach().to(value_pages.dtype)
+                _store_own(k[s:e], v[s:e], pages, prefix, key_pages, value_pages)
         return out
+
+    def store_kv(self, k, v, meta: PassMeta, key_pages, value_pages, group=1):
+        tables = meta.block_table.tolist()
+        for n, s, e, _, write, prefix in meta.host.seqs():
+            if write >= 0:
+                _store_own(k[s:e], v[s:e], tables[n], prefix, key_pages, value_pages)
+
+
+def _store_own(k, v, pages: list[int], prefix: int, key_pages, value_pages) -> None:
+    """One sequence's own K/V [L, Hkv, D] into its pages at positions prefix .. prefix + L - 1."""
+    BS = key_pages.shape[1]
+    pos = torch.arange(prefix, prefix + k.shape[0], device=k.device)
+    page = torch.tensor(pages, device=k.device)[pos // BS]
+    key_pages[page, pos % BS] = k.detach().to(key_pages.dtype)
+    value_pages[page, pos % BS] = v.detach().to(value_pages.dtype)

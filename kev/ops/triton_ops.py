@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block, split_mode
+from kev.ops.attention.paged_prefix import paged_prefix_attention, paged_store, query_block, split_mode
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
 from kev.ops.fused import activations, norms
@@ -85,17 +85,17 @@ class TritonOps:
         `cu_seqlens` changes in place between replays: never derive them from it)."""
         self._indices[meta] = indices
 
-    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None):
+    def causal_conv(self, x, weight, meta: PassMeta, conv_pool, split=None, out=None):
         return indexed_causal_conv(x=x, weight=weight, cu_seqlens=meta.cu_seqlens, conv_pool=conv_pool,
                                    read_slots=meta.read_slots, write_slots=meta.write_slots,
-                                   chunk_indices=self.prepare(meta).chunks, split=split)
+                                   chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
     def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
         idx = self.prepare(meta)
         return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, chunk_indices=idx.chunks,
-                                              chunk_offsets=idx.chunk_offsets)
+                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))
@@ -103,3 +103,8 @@ class TritonOps:
                                       key_pages=key_pages, value_pages=value_pages, block_table=meta.block_table,
                                       write_slots=meta.write_slots, chunk_indices=chunks,
                                       split=split_attention(meta, q.shape[0]))
+
+    def store_kv(self, k, v, meta: PassMeta, key_pages, value_pages, group: int):
+        chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(group))
+        paged_store(k, v, meta.cu_seqlens, meta.prefix_lens, key_pages, value_pages, meta.block_table,
+                    meta.write_slots, chunk_indices=chunks, group=group)

@@ -159,6 +159,19 @@ def _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, pre
     p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
 
+    _store_own_kv(k, v, out_key_pages, out_value_pages, write_table, write_slots, bos, L, i_n, i_t, i_kvh,
+                  prefix, o_v, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b, stride_okp_s,
+                  stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, D, BS, BM)
+
+
+@triton.jit
+def _store_own_kv(k, v, out_key_pages, out_value_pages, write_table, write_slots, bos, L, i_n, i_t, i_kvh,
+                  prefix, o_v, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+                  stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+                  D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
+    """The block's own K/V (features o_v of kv head i_kvh) into its pages at positions prefix..,
+    when its sequence writes (write_slots[i_n] >= 0)."""
+    m_v = o_v < D
     b_write = tl.load(write_slots + i_n)
     o_tw = i_t * BM + tl.arange(0, BM)
     m_tw = (o_tw < L) & (b_write >= 0)
@@ -323,6 +336,22 @@ def paged_prefix_finish_kernel(
                          stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, HQ, D, BD, BS, BM, BN)
 
 
+@triton.jit
+def paged_store_kernel(
+    k, v, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots, cu_seqlens, chunk_indices,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+):
+    """Only the K/V store of the attention kernels, per (query block, kv head): for passes whose
+    attention output nobody reads (the last layer of a state pass)."""
+    i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    _store_own_kv(k, v, out_key_pages, out_value_pages, write_table, write_slots, bos, L, i_n, i_t, i_kvh,
+                  prefix, tl.arange(0, BD), stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b,
+                  stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, D, BS, BM)
+
+
 def valid_configs(configs, named_args, **kwargs):
     """The configs whose value slice BD / NV is still a dot operand (>= 16 features)."""
     return [c for c in configs if kwargs["BD"] // c.kwargs["NV"] >= 16]
@@ -445,6 +474,48 @@ def paged_prefix_attention(
     _launch(paged_prefix_finish_kernel, _tuned_finish_kernel, config, lambda m: (NT, HKV, m["NV"]), finish_args,
             {**meta, "NS": PREFIX_SPANS})
     return o
+
+
+def paged_store(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    write_slots: torch.Tensor,
+    *,
+    chunk_indices: torch.Tensor,
+    group: int,
+) -> None:
+    """The K/V store of `paged_prefix_attention` alone, the same bits in the same pages: sequence n's
+    own K/V at positions prefix_lens[n].. of its pages (`block_table[n]`) when write_slots[n] >= 0.
+    k, v [T, Hkv, D]; chunk_indices the attention's (fla's prepare_chunk_indices(cu_seqlens,
+    query_block(group))), `group` = Hq / Hkv of the attention it stands in for."""
+    if k.ndim != 3 or v.shape != k.shape or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, Hkv, D] with unit stride over D")
+    T, HKV, D = k.shape
+    BS = key_pages.shape[1]
+    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if pages.ndim != 4 or tuple(pages.shape[1:]) != (BS, HKV, D) or pages.stride(3) != 1:
+            raise ValueError(f"{name} must be [NB, BS={BS}, Hkv={HKV}, D={D}] with unit stride over D, "
+                             f"got {tuple(pages.shape)} strides {pages.stride()}")
+    N = prefix_lens.shape[0]
+    if cu_seqlens.shape != (N + 1,) or write_slots.shape != (N,) or block_table.ndim != 2 \
+            or block_table.shape[0] != N or block_table.stride(1) != 1:
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, prefix_lens {tuple(prefix_lens.shape)}, "
+                         f"write_slots {tuple(write_slots.shape)}, block_table {tuple(block_table.shape)} must be "
+                         f"[N + 1], [N], [N], [N, MB] (unit column stride)")
+    chunk_indices = chunk_indices.contiguous()
+    if T == 0 or chunk_indices.shape[0] == 0:
+        return
+    cu_seqlens, prefix_lens, write_slots = cu_seqlens.contiguous(), prefix_lens.contiguous(), write_slots.contiguous()
+    paged_store_kernel[(chunk_indices.shape[0], HKV)](
+        k, v, key_pages, value_pages, block_table, prefix_lens, write_slots, cu_seqlens, chunk_indices,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *key_pages.stride()[:3], *value_pages.stride()[:3],
+        block_table.stride(0), D=D, BD=max(32, triton.next_power_of_2(D)), BS=BS, BM=query_block(group),
+        num_warps=4)
 
 
 def _launch(kernel, tuned, config, grid, args, meta):

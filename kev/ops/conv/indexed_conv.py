@@ -53,7 +53,8 @@ def indexed_conv_fwd_kernel(
     chunk_indices,  # [NT, 2] (sequence, chunk within it)
     C,
     SPLIT,  # channels of the output's first block
-    TAIL_BASE,  # T x SPLIT: where the second block starts in y (specialised: % 16 lets the tail store vectorise)
+    TAIL_BASE,  # where the second block starts, counted from y (T x SPLIT in a new output);
+    # specialised: % 16 lets the tail store vectorise
     stride_x_t, stride_x_c,
     stride_w_c, stride_w_w,
     stride_p_s, stride_p_c, stride_p_w,
@@ -179,6 +180,7 @@ def indexed_causal_conv(
     chunk_indices: torch.Tensor | None = None,
     config: triton.Config | None = None,
     split: int | None = None,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """silu(causal depthwise conv(x)) per sequence, starting from bank conv states by index.
 
@@ -194,6 +196,9 @@ def indexed_causal_conv(
     config:        run this one config instead of the autotuner (tests of every config)
     split:         None: return y [T, C]; s in [0, C]: return (y[:, :s], y[:, s:]), each contiguous
                    (the same values: only where they are stored differs)
+    out:           where to store y (default: new), as returned: [T, C], or with `split` the two
+                   blocks, each contiguous, the second after the first in one allocation (token
+                   slices of a whole sweep's blocks: each phase's conv writes its rows of them)
     Returns y: [T, C] contiguous (or the two blocks), x's dtype.
     """
     if x.ndim != 2:
@@ -220,14 +225,24 @@ def indexed_causal_conv(
     if split is not None and not 0 <= split <= C:
         raise ValueError(f"split must be in [0, C={C}], got {split}")
     S = C if split is None else split
-    flat = torch.empty(T * C, dtype=x.dtype, device=x.device)
-    head, tail = flat[: T * S].view(T, S), flat[T * S :].view(T, C - S)
+    if out is None:
+        flat = torch.empty(T * C, dtype=x.dtype, device=x.device)
+        head, tail = flat[: T * S].view(T, S), flat[T * S :].view(T, C - S)
+    else:
+        head, tail = (out, out[:, C:]) if split is None else out
+        for block, width in ((head, S), (tail, C - S)):
+            if tuple(block.shape) != (T, width) or block.dtype != x.dtype or not block.is_contiguous():
+                raise ValueError(f"out block {tuple(block.shape)} {block.dtype} must be a contiguous [{T}, {width}] "
+                                 f"{x.dtype}")
+        if C > S and tail.data_ptr() < head.data_ptr() + T * S * head.element_size():
+            raise ValueError("out's second block must lie after its first in one allocation")
+    tail_base = (tail.data_ptr() - head.data_ptr()) // head.element_size() if C > S else T * S
     y = head if split is None else (head, tail)
     NT = chunk_indices.shape[0]
     if NT == 0 or C == 0:
         return y
     n_class, t_class = shape_class(N, T)
-    args = (x, weight, flat, conv_pool, out_pool, read_slots, write_slots, cu_seqlens, chunk_indices, C, S, T * S,
+    args = (x, weight, head, conv_pool, out_pool, read_slots, write_slots, cu_seqlens, chunk_indices, C, S, tail_base,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *conv_pool.stride(), *out_pool.stride(),
             n_class, t_class)
     meta = dict(W=W, WP=triton.next_power_of_2(W - 1), BT=CONV_CHUNK)

@@ -23,6 +23,8 @@ Reference: `naive.recurrent_gated_delta_rule` / `chunk_torch.chunk_gated_delta_r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,9 @@ from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.conv.indexed_conv import preserve_written_slots, shape_class
+
+# (first sequence, end sequence) -> (pool, read slots [n1 - n0]) the sequences' state passes start from
+StartStates = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
 
@@ -200,6 +205,8 @@ def indexed_scan(
     *,
     out_pool: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    h: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The state pass over chunks of CHUNK tokens.
 
@@ -211,6 +218,9 @@ def indexed_scan(
     num_chunks:    total chunks over all sequences (len of fla's chunk_indices)
     state_pool:    [S, HV, K, V] fp32, any strides, read in place through read_slots [N] (-1: zeros)
     out_pool:      [S', HV, K, V] fp32 written through write_slots [N] (-1: no write); default state_pool
+    h, v_new:      the outputs, preallocated (default: new). The sequences may be some of a pass's:
+                   cu_seqlens and chunk_offsets are offsets into the whole pass's k, ..., h and v_new,
+                   so slices of the pass's index tensors run those sequences alone (a phase).
     Returns (h [num_chunks, HV, K, V] in k's dtype: the state at each chunk start,
              v_new [T, HV, V] in u's dtype).
     """
@@ -238,8 +248,14 @@ def indexed_scan(
     # index tensors (never the pools) must be contiguous: a strided index view costs a tiny copy
     read_slots, write_slots = read_slots.contiguous(), write_slots.contiguous()
     cu_seqlens, chunk_offsets = cu_seqlens.contiguous(), chunk_offsets.contiguous()
-    h = k.new_empty(num_chunks, HV, K, V)
-    v_new = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
+    if h is None:
+        h = k.new_empty(num_chunks, HV, K, V)
+    if v_new is None:
+        v_new = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
+    if tuple(h.shape) != (num_chunks, HV, K, V) or h.dtype != k.dtype or not h.is_contiguous() \
+            or tuple(v_new.shape) != (T, HV, V) or v_new.dtype != u.dtype or not v_new.is_contiguous():
+        raise ValueError(f"h {tuple(h.shape)} {h.dtype} must be contiguous [{num_chunks}, {HV}, {K}, {V}] {k.dtype}, "
+                         f"v_new {tuple(v_new.shape)} {v_new.dtype} contiguous [{T}, {HV}, {V}] {u.dtype}")
     if N == 0:
         return h, v_new
     n_class, t_class = shape_class(N, T)
@@ -274,6 +290,8 @@ def indexed_chunk_gated_delta_rule(
     chunk_indices: torch.Tensor | None = None,
     chunk_offsets: torch.Tensor | None = None,
     scan_config: triton.Config | None = None,
+    phases: Sequence[int] = (),
+    start_states: StartStates | None = None,
 ) -> torch.Tensor:
     """Varlen chunked gated delta rule whose sequences start from (and end in) bank slots by index.
 
@@ -290,6 +308,12 @@ def indexed_chunk_gated_delta_rule(
                    fla's prepare_chunk_offsets(cu_seqlens, 64). Computed (host sync) when None; pass
                    them precomputed for CUDA graphs.
     scan_config:   run the state pass with this one config instead of the autotuner
+    phases:        sequence counts of consecutive groups whose state passes run one after another
+                   (a group may read the slots an earlier one writes: new documents, then rows over
+                   them); the per-chunk steps run once over all. Default: one group.
+    start_states:  (n0, n1) -> (pool, read slots) that sequences [n0, n1) start from, called right
+                   before their state pass (the gathered variant copies the states there); default
+                   state_pool and read_slots[n0:n1]
     Returns o: [T, HV, V] in v's dtype.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
@@ -321,8 +345,21 @@ def indexed_chunk_gated_delta_rule(
                                chunk_indices=chunk_indices)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
                                                cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
-    h, v_new = indexed_scan(k, w[0], u[0], g_cum[0], cu_seqlens, chunk_offsets, chunk_indices.shape[0],
-                            state_pool, read_slots, write_slots, out_pool=out_pool, config=scan_config)
+    N = read_slots.shape[0]
+    counts = tuple(phases) or (N,)
+    if sum(counts) != N or min(counts) < 0:
+        raise ValueError(f"phases {counts} must be sequence counts summing to N={N}")
+    V = v.shape[2]
+    h = k.new_empty(chunk_indices.shape[0], HV, K, V)
+    v_new = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
+    n0 = 0
+    for n in counts:  # each group's state pass sees the slots the groups before it wrote
+        n1 = n0 + n
+        pool, read = start_states(n0, n1) if start_states is not None else (state_pool, read_slots[n0:n1])
+        indexed_scan(k, w[0], u[0], g_cum[0], cu_seqlens[n0:n1 + 1], chunk_offsets[n0:n1 + 1], h.shape[0], pool,
+                     read, write_slots[n0:n1], out_pool=state_pool if out_pool is None else out_pool,
+                     config=scan_config, h=h, v_new=v_new)
+        n0 = n1
     o = chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cum, scale=scale,
                     cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
     return o[0]
