@@ -283,7 +283,10 @@ def test_every_launched_autotuner_is_class_cached(setup, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Autotuner, "run", run)
-    runner.row_pass(make_batch(setup, 5, 7))
+    runner.row_pass(make_batch(setup, 5, 7))  # rows_few: split-mode attention
+    # rows_mid: the one-program attention. This model's only attention layer is its last, where
+    # a state pass only stores its K/V (no attention kernel runs there).
+    runner.row_pass(make_batch(setup, 17, 8))
     h = setup["bank"].alloc(200)
     runner.state_pass([[1] * 200], [h])
     setup["bank"].free(h)
