@@ -21,7 +21,7 @@ from kev.model import Qwen35Model
 from kev.ops import Ops, PassMeta
 from kev.ops.autotune import ClassTuner, ShapeClass, classify
 from kev.ops.meta import PhasedMeta, host_positions
-from kev.transfer import to_device
+from kev.transfer import host_int64, to_device
 
 # Safety factor of `state_pass_peak_bytes` over its itemised estimate: kernel temporaries not listed,
 # allocation rounding, tensors freed a little later than the listing assumes.
@@ -91,7 +91,7 @@ class RowBatch:
         flat = [t for r in rows for t in r]
         parts = (flat, cu, [h.slot for h in handles], list(doc_lens), picks, host_positions(lens, list(doc_lens)))
         # One host block, one copy that does not wait for the GPU (kev/transfer.py); the fields are views.
-        block = to_device(torch.tensor([v for part in parts for v in part], dtype=torch.int64), device)
+        block = to_device(host_int64(v for part in parts for v in part), device)
         tokens, cu_seqlens, slots, lens_t, picks_t, positions = block.split([len(p) for p in parts])
         return cls(tokens, cu_seqlens, slots, lens_t, picks_t, positions, tuple(lens))
 
@@ -131,17 +131,18 @@ class Runner:
 
     def _chunk_pass(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], done: int):
         """(tokens, meta) of one state pass: chunk n continues slot n's first `done` tokens (0: new)."""
-        as_long = dict(dtype=torch.int64, device=self.device)
         lens = [len(c) for c in chunks]
-        slot_t = torch.tensor(list(slots), **as_long)
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        meta = PassMeta(cu_seqlens=torch.tensor(cu, **as_long),
-                        read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1), write_slots=slot_t,
-                        prefix_lens=torch.full_like(slot_t, done), block_table=self.bank.block_table[slot_t],
-                        positions=torch.tensor(host_positions(lens, [done] * len(lens)), **as_long))
-        return torch.tensor([t for c in chunks for t in c], **as_long), meta
+        parts = ([t for c in chunks for t in c], cu, list(slots), host_positions(lens, [done] * len(lens)))
+        # One host block, one copy that does not wait for the GPU (kev/transfer.py); the fields are views.
+        block = to_device(host_int64(v for part in parts for v in part), self.device)
+        tokens, cu_t, slot_t, positions = block.split([len(p) for p in parts])
+        meta = PassMeta(cu_seqlens=cu_t, read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1),
+                        write_slots=slot_t, prefix_lens=torch.full_like(slot_t, done),
+                        block_table=self.bank.block_table[slot_t], positions=positions)
+        return tokens, meta
 
     def fits_one_sweep(self, documents: Sequence[Sequence[int]]) -> bool:
         """Whether `state_and_row_pass` runs these documents and rows as one sweep (every document

@@ -35,7 +35,7 @@ import torch
 
 from kev.ops.autotune import ShapeClass, classify
 from kev.ops.meta import PassMeta
-from kev.transfer import to_device
+from kev.transfer import host_int64, to_device
 
 CHUNK = 64  # the conv / delta-rule chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
 
@@ -151,23 +151,26 @@ class StaticPass:
         int64 block copied in, then the block-table rows of the written slots."""
         key = self.key
         assert key.kind is PassKind.STATE
-        N, L, T = key.num_slots, key.seq_len, key.num_tokens
-        tokens, positions = [0] * T, [0] * T
-        cu, write = [0], [-1] * N
-        for n in range(key.seqs):
-            doc = documents[n] if n < len(documents) else ()
-            tokens[n * L : n * L + len(doc)] = doc
-            positions[n * L : (n + 1) * L] = [*range(len(doc)), *range(L - len(doc))]
-            cu += [n * L + len(doc), (n + 1) * L]
-            if n < len(documents):
-                write[2 * n] = slots[n]
-        host = torch.tensor(tokens + positions + cu + write, dtype=torch.int64)
+        N, L, T, R, D = key.num_slots, key.seq_len, key.num_tokens, key.seqs, len(documents)
+        # Host tensor ops, not Python lists: a 2,208-token bucket's list took 0.35 ms of a new request.
+        host = torch.zeros(2 * T + 2 * N + 1, dtype=torch.int64)
+        tokens, positions, cu, write = host.split([T, T, N + 1, N])
+        lens = torch.zeros(R, dtype=torch.int64)
+        for n, doc in enumerate(documents):
+            tokens[n * L : n * L + len(doc)] = host_int64(doc)
+            lens[n] = len(doc)
+        # pair n: the document's positions 0 .. len - 1, then its padding sequence's 0 .. L - len - 1
+        t = torch.arange(L)
+        positions.view(R, L).copy_(t - torch.where(t >= lens[:, None], lens[:, None], 0))
+        starts = torch.arange(R) * L
+        cu[1::2], cu[2::2] = starts + lens, starts + L
+        write.fill_(-1)
+        write[0 : 2 * D : 2] = host_int64(slots[:D])
         dev = to_device(host, self.tokens.device)
         self.tokens.copy_(dev[:T])
         self.positions.copy_(dev[T : 2 * T])
         self.cu_seqlens.copy_(dev[2 * T : 2 * T + N + 1])
         self.write_slots.copy_(dev[2 * T + N + 1 :])
-        D = len(documents)
         self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
 
 

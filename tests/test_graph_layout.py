@@ -112,6 +112,34 @@ def test_static_chunks_agree_with_fla(seqs, seq_len):
     assert prepare_chunk_offsets(cu, CHUNK).tolist() == [n * per for n in range(seqs + 1)]
 
 
+def test_state_fill_and_host_ints():
+    """The STATE layout's fill (host tensor ops) against the layout spelled out per pair, over
+    random documents, counts and bucket lengths; `host_int64` equals `torch.tensor` on the lists."""
+    from kev.transfer import host_int64
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.arange(16 * 8, dtype=torch.int32).view(16, 8)
+    for R, L in [(1, 48), (4, 64), (6, 130)]:
+        D = int(torch.randint(1, R + 1, (1,), generator=g))
+        docs = [torch.randint(0, 300, (int(torch.randint(1, L + 1, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(D)]
+        slots = torch.randperm(16, generator=g)[:D].tolist()
+        sp = StaticPass(GraphKey(PassKind.STATE, R, L), table.shape[1], 16, "cpu")
+        sp.fill_state(docs, slots, table)
+        tokens, positions, cu, write = [], [], [0], []
+        for n in range(R):
+            doc = docs[n] if n < D else []
+            tokens += doc + [0] * (L - len(doc))
+            positions += list(range(len(doc))) + list(range(L - len(doc)))
+            cu += [n * L + len(doc), (n + 1) * L]
+            write += [slots[n] if n < D else -1, -1]
+        assert sp.tokens.tolist() == tokens and sp.positions.tolist() == positions
+        assert sp.cu_seqlens.tolist() == cu and sp.write_slots.tolist() == write
+        assert torch.equal(sp.block_table[0 : 2 * D : 2], table[slots])
+    for values in ([], [0], [2**40, -1, 5], list(range(3000))):
+        assert torch.equal(host_int64(values), torch.tensor(values, dtype=torch.int64))
+
+
 def test_bucket_keys():
     b = Buckets()
     assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 32)  # picks capacity 5 a row at least
