@@ -8,6 +8,8 @@ row pass (side by side); `cached_ms` = row pass only. Wall time from the host ca
 being done (row batch built and copied in, the passes, one sync), medians of alternating reps.
 Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
 `GraphedPasses.capture`). The same passes eager (no graphs) are reported beside them.
+`new_replay_only_ms`: the new request's sweep graph replayed alone (no batch to build, no buffers
+to fill): `new_ms` less that is the host's part of a new request.
 
     python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE]
 
