@@ -7,7 +7,7 @@
    cuDNN backends each, plus the page store it would then need (`index_copy_` of K and V into the
    pages).
 2. Rows over stored documents: the one-program kernel against split mode (a program per prefix
-   span, then the finish kernel), every config of each.
+   span, then the finish kernel), every config of each; split mode also at SPAN_COUNTS spans.
 Each candidate is captured in a CUDA graph (10 calls) and timed by replay, so host work is not
 in the figures. Outputs are compared (relative error).
 
@@ -32,6 +32,7 @@ SHAPES = [(1, 2208), (6, 2208), (16, 2048)]  # (documents, tokens each)
 # (rows, tokens each, prefix tokens): rows_few's shapes (split mode serves them) and a wider one
 ROW_SHAPES = [(1, 16, 2200), (6, 32, 48), (5, 32, 2200), (8, 64, 2200)]
 CALLS = 10  # calls per captured graph
+SPAN_COUNTS = (4, 16, 32)  # split mode's span counts timed beside PREFIX_SPANS
 
 
 def graph_us(fn) -> float:
@@ -114,11 +115,11 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
                           torch.arange(n_blocks, **as_long).repeat(rows)], 1)
     prefixes, no_write = torch.full((rows,), prefix, **as_long), torch.full((rows,), -1, **as_long)
 
-    def attn(split, config):
+    def attn(split, config, spans=paged_prefix.PREFIX_SPANS):
         return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes,
                                                    key_pages=key_pages, value_pages=value_pages, block_table=table,
                                                    write_slots=no_write, chunk_indices=chunks, split=split,
-                                                   config=config)
+                                                   config=config, spans=spans)
 
     out = {"rows": rows, "tokens": tokens, "prefix": prefix}
     configs = [c for c in paged_prefix.ATTN_CONFIGS if paged_prefix.valid_configs([c], {}, BD=max(32, D))]
@@ -130,6 +131,16 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
         out[name] = {"best_us": us[best], "best_config": best, "configs_us": us,
                      "rel_err_vs_one_program": ((got - ref).norm() / ref.norm()).item()}
     out["one_program_over_split"] = out["one_program"]["best_us"] / out["split"]["best_us"]
+    # Split mode at other span counts (serving fixes PREFIX_SPANS: the merge order depends on it):
+    # more spans, more programs over a long prefix, and a larger fp32 workspace to merge. Timed at
+    # PREFIX_SPANS' best config only: each count compiles both kernels again.
+    best_split = next(c for c in configs if str(c) == out["split"]["best_config"])
+    out["split_spans"] = {}
+    for spans in SPAN_COUNTS:
+        got = attn(True, best_split, spans).float()
+        out["split_spans"][spans] = {"us": graph_us(lambda: attn(True, best_split, spans)),
+                                     "config": str(best_split),
+                                     "rel_err_vs_one_program": ((got - ref).norm() / ref.norm()).item()}
     return out
 
 
@@ -153,7 +164,8 @@ def main():
         result["rows"].append(entry)
         print(f"{rows}x{tokens}@{prefix}: one program {entry['one_program']['best_us']:.1f} us, split "
               f"{entry['split']['best_us']:.1f} us ({entry['split']['best_config']}), rel err "
-              f"{entry['split']['rel_err_vs_one_program']:.1e}", flush=True)
+              f"{entry['split']['rel_err_vs_one_program']:.1e}; split by spans "
+              + ", ".join(f"{n}: {e['us']:.1f}" for n, e in entry["split_spans"].items()), flush=True)
         torch.cuda.empty_cache()
     write_json(args.out, result)
 

@@ -386,6 +386,30 @@ def test_paged_store_writes_what_attention_writes(interp, poisoned, case, heads)
         assert not torch.equal(pages["store"][0], key_pages), "nothing was stored"
 
 
+@pytest.mark.parametrize("spans", [1, 3, 16])
+def test_split_attention_at_other_span_counts(interp, spans):
+    """`spans` (benchmarks only): split mode over 1, 3 or 16 prefix spans (16: most of them empty
+    for a 3-tile prefix) still matches the reference."""
+    g = torch.Generator().manual_seed(spans)
+    HQ, HKV, D, BS, NB = 4, 2, 32, 16, 96
+    lens, prefixes = [4, 5], [1100, 40]
+    T, N = sum(lens), len(lens)
+    q = torch.randn(T, HQ, D, generator=g)
+    k, v = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)
+    _, key_pages = strided_pool(g, (NB, BS, HKV, D))
+    _, value_pages = strided_pool(g, (NB, BS, HKV, D))
+    table = [list(range(0, 72)), list(range(72, 76)) + [-1] * 68]
+    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
+                    write_slots=torch.full((N,), -1), prefix_lens=torch.tensor(prefixes),
+                    block_table=torch.tensor(table, dtype=torch.int32))
+    out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
+                                             key_pages=key_pages, value_pages=value_pages,
+                                             block_table=meta.block_table, write_slots=meta.write_slots,
+                                             split=True, spans=spans)
+    ref = TorchOps().attention(q, k, v, meta, key_pages.clone(), value_pages.clone())
+    assert rel_err(ref, out) <= 1e-5
+
+
 def test_attention_configs_keep_a_dot_operand():
     """The autotuner only tries value splits whose slice is still a dot operand (>= 16 features)."""
     from kev.ops.attention.paged_prefix import valid_configs

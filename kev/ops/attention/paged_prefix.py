@@ -386,6 +386,7 @@ def paged_prefix_attention(
     config: triton.Config | None = None,
     block_n: int | None = None,
     split: bool | None = None,
+    spans: int = PREFIX_SPANS,
 ) -> torch.Tensor:
     """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
 
@@ -404,6 +405,8 @@ def paged_prefix_attention(
                    order depends on it, so it is fixed per head dim and never autotuned (benchmarks only)
     split:         split mode (default: for a rows_few pass, `classify(N, T)`; callers that tune by
                    their pass's class pass it from that class, `TritonOps.attention` does)
+    spans:         split mode's prefix spans (the merge order depends on it: serving keeps
+                   PREFIX_SPANS; other counts are for benchmarks)
     Returns o: [T, Hq, D] contiguous, q's dtype.
     """
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
@@ -460,19 +463,21 @@ def paged_prefix_attention(
                 *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
         _launch(paged_prefix_attn_fwd_kernel, _tuned_attn_kernel, config, lambda m: (NT, HKV, m["NV"]), args, meta)
         return o
-    ws_acc = torch.empty((PREFIX_SPANS, T, HQ, D), dtype=torch.float32, device=q.device)
-    ws_ml = torch.empty((PREFIX_SPANS, 2, T, HQ), dtype=torch.float32, device=q.device)
+    if spans < 1:
+        raise ValueError(f"spans must be >= 1, got {spans}")
+    ws_acc = torch.empty((spans, T, HQ, D), dtype=torch.float32, device=q.device)
+    ws_ml = torch.empty((spans, 2, T, HQ), dtype=torch.float32, device=q.device)
     span_args = (q, key_pages, value_pages, block_table, prefix_lens, cu_seqlens, chunk_indices, ws_acc, ws_ml,
                  qk_scale, T, q.stride(0), q.stride(1), *key_pages.stride()[:3], *value_pages.stride()[:3],
                  block_table.stride(0), n_class, t_class)
-    _launch(paged_prefix_span_kernel, _tuned_span_kernel, config, lambda m: (NT, HKV, m["NV"] * PREFIX_SPANS),
-            span_args, {**meta, "NS": PREFIX_SPANS})
+    _launch(paged_prefix_span_kernel, _tuned_span_kernel, config, lambda m: (NT, HKV, m["NV"] * spans),
+            span_args, {**meta, "NS": spans})
     finish_args = (q, k, v, o, ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots,
                    cu_seqlens, chunk_indices, qk_scale, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                    v.stride(0), v.stride(1), *out_key_pages.stride()[:3], *out_value_pages.stride()[:3],
                    write_table.stride(0), n_class, t_class)
     _launch(paged_prefix_finish_kernel, _tuned_finish_kernel, config, lambda m: (NT, HKV, m["NV"]), finish_args,
-            {**meta, "NS": PREFIX_SPANS})
+            {**meta, "NS": spans})
     return o
 
 
