@@ -18,6 +18,8 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
+source bench/triton_cache.sh
+triton_cache_restore
 
 step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log, one summary line here
     local name=$1 limit=$2 start=$SECONDS
@@ -46,3 +48,4 @@ for what in "${@:-tests perf}"; do
         esac
     done
 done
+triton_cache_pack  # for the next call of the session: carry it as .triton_carry

@@ -3,12 +3,11 @@
 # GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
 # that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
 # keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
-# completes), load_compare.log, gpu_util.csv, and triton_cache.tgz: Triton's compile cache (not its
-# autotune results, except the baseline's) at the end, in parts of 15 MB. Copied to .triton_carry/
-# here and carried, it spares the next call's services their kernel compiles (about a minute of each
-# load call's start-up, mostly the bank's) and the baseline its autotuning:
-#     rm -rf .triton_carry && mkdir .triton_carry && cp /work/.device/<N>/triton_cache.tgz.part* .triton_carry/
-# The results record which it was (`triton_compile_cache`); autotuning runs at every start either way.
+# completes), load_compare.log, gpu_util.csv, and triton_cache.tgz.part*: Triton's compile cache (not
+# its autotune results, except the baseline's) at the end (bench/triton_cache.sh). Carried into the
+# next call, it spares the services their kernel compiles (about a minute of each load call's start-up,
+# mostly the bank's) and the baseline its autotuning. The results record which it was
+# (`triton_compile_cache`).
 #
 # On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
 # (bench/device_carry.sh builds them), and .triton_carry when there is one:
@@ -29,15 +28,8 @@ if [ "$limit" -gt 560 ]; then echo "limit $limit s capped at 560"; limit=560; fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl .whl_load/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
-export TRITON_CACHE_DIR=/tmp/triton_cache KEV_COMPILE_CACHE=empty
-mkdir -p "$TRITON_CACHE_DIR"
-if [ -n "$(ls -A "$TRITON_CACHE_DIR")" ]; then  # a second run in the same call
-    KEV_COMPILE_CACHE="this call's earlier run ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
-elif ls .triton_carry/triton_cache.tgz* >/dev/null 2>&1 \
-        && cat .triton_carry/triton_cache.tgz* | tar xz -C "$TRITON_CACHE_DIR"; then  # one file, or its parts
-    KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
-fi
-echo "triton compile cache: $KEV_COMPILE_CACHE"
+source bench/triton_cache.sh
+triton_cache_restore
 export KEV_GPU_SHARING=time-sliced
 if [ "${KEV_MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
@@ -55,12 +47,6 @@ timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$worklo
     --duration 5 --warmup-s 2 --out-dir "$OUT" "$@" > "$OUT/load_compare.log" 2>&1
 rc=$?
 kill "$sampler" 2>/dev/null
-tar czf /tmp/triton_cache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null
-size=$(stat -c %s /tmp/triton_cache.tgz 2>/dev/null || echo 0)
-# The device tool brings back files of up to 16 MiB, 8 files in all: parts of 15 MB, at most 3.
-if [ "$size" -gt 0 ] && [ "$size" -le 45000000 ]; then
-    split -b 15000000 -d -a 2 /tmp/triton_cache.tgz "$OUT/triton_cache.tgz.part"
-fi
-echo "triton compile cache at the end: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $size bytes compressed"
+triton_cache_pack
 echo "load_compare: rc $rc after ${SECONDS} s"
 grep -E '^(==|   )|x(1|8|32|64)\] +[5-9]\.[0-9] s|req/s p99|errors' "$OUT/load_compare.log" | tail -40
