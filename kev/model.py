@@ -168,30 +168,31 @@ class GatedDeltaNet(nn.Module):
         g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
         z = z.unflatten(1, (HV, V))
 
-        def conv(meta, mixed, out=None):  # -> q, k [t, H, K], v [t, HV, V]
+        def conv(meta, mixed, out=None):  # q,k [t, 2 kd] and v [t, value_dim]
             # q,k and v in two blocks of one buffer: the delta rule needs v contiguous (fla's WY
             # recompute), and q, k stay column views (the ops take strides): nothing copies.
-            qk, v = ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool, split=2 * kd, out=out)
-            return qk[:, :kd].unflatten(1, (H, K)), qk[:, kd:].unflatten(1, (H, K)), v.unflatten(1, (HV, V))
+            return ops.causal_conv(mixed, self.conv1d.weight[:, 0], meta, conv_pool, split=2 * kd, out=out)
+
+        def delta_rule(meta, qk, v):  # the delta rule and the output norm over all T tokens
+            q, k = qk[:, :kd].unflatten(1, (H, K)), qk[:, kd:].unflatten(1, (H, K))
+            o = ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), g, beta, meta, recurrent_pool)  # [T, HV, V]
+            return ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
 
         if joined is None:  # one phase
             (_, _, meta), = phases
             with scope(meta, T):
-                o = ops.gated_delta_rule(*conv(meta, mixed), g, beta, meta, recurrent_pool)  # [T, HV, V]
-                o = ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+                o = delta_rule(meta, *conv(meta, mixed))
         else:
             # Only the conv and the delta rule's state pass read what an earlier phase wrote (a new
             # document's conv tail and state): they run phase by phase, into one output. The
             # per-chunk steps of the delta rule and the norm run once over every phase's tokens.
             flat = x.new_empty(T * cfg.conv_dim)
-            qk_all, v_all = flat[: T * 2 * kd].view(T, 2 * kd), flat[T * 2 * kd :].view(T, cfg.conv_dim - 2 * kd)
+            qk, v = flat[: T * 2 * kd].view(T, 2 * kd), flat[T * 2 * kd :].view(T, cfg.conv_dim - 2 * kd)
             for start, end, meta in phases:
                 with scope(meta, end - start):
-                    conv(meta, mixed[start:end], out=(qk_all[start:end], v_all[start:end]))
-            q, k = qk_all[:, :kd].unflatten(1, (H, K)), qk_all[:, kd:].unflatten(1, (H, K))
+                    conv(meta, mixed[start:end], out=(qk[start:end], v[start:end]))
             with scope(joined, T):
-                o = ops.gated_delta_rule(q, k, v_all.unflatten(1, (HV, V)), g, beta, joined, recurrent_pool)
-                o = ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+                o = delta_rule(joined, qk, v)
         o = o if keep is None else o[keep]
         return self.out_proj(o.flatten(1))
 

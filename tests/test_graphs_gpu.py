@@ -208,12 +208,28 @@ def test_graphed_state_pass_stores_what_eager_stores(setup, lens):
           all(torch.equal(a, c) for a, _, c in zip(*results)))
 
 
+def sweep(setup, passes, docs, rows, owners):
+    """`passes.state_and_row_pass` of new `docs` (fresh slots, freed after) and `rows`; row n reads
+    document owners[n]: the sweep's documents first, then the stored DOC_LENS ones. Returns
+    (hidden states, the new documents' stored states)."""
+    bank, doc_lens = setup["bank"], [len(d) for d in docs]
+    handles = [bank.alloc(n) for n in doc_lens]
+    every, every_len = handles + setup["handles"], doc_lens + list(DOC_LENS)
+    batch = RowBatch.build(rows, [every[o] for o in owners], [every_len[o] for o in owners],
+                           [[len(r) - 1] for r in rows], device="cuda")
+    hidden = passes.state_and_row_pass(docs, handles, batch)
+    states = [s.clone() for h, n in zip(handles, doc_lens) for s in slot_states(bank, h, n)]
+    for h in handles:
+        bank.free(h)
+    return hidden, states
+
+
 @pytest.mark.parametrize("doc_lens,n_rows", [((48,), 6), ((700, 30), 20)], ids=str)
 def test_sweep_graph_replays_equal_eager_bitwise(setup, doc_lens, n_rows):
     """One sweep (new documents, then rows over them and over stored documents) in a SweepKey
     bucket: replays with new documents, slots and rows equal eager runs of the same bucket bit for
     bit, hidden states and stored states; the unpadded sweep agrees to bf16 (other GEMM row counts)."""
-    runner, bank = setup["runner"], setup["bank"]
+    runner = setup["runner"]
     graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE)
     eager = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)  # the same buckets, never captured
     for seed in range(3):
@@ -223,17 +239,8 @@ def test_sweep_graph_replays_equal_eager_bitwise(setup, doc_lens, n_rows):
         rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
         owners = torch.randint(0, len(docs) + len(DOC_LENS), (n_rows,), generator=g).tolist()
         owners[0] = 0  # at least one row over a document of this sweep
-        outs = []
-        for passes in (graphed, eager, runner):
-            handles = [bank.alloc(n) for n in doc_lens]
-            every, every_len = handles + setup["handles"], list(doc_lens) + list(DOC_LENS)
-            batch = RowBatch.build(rows, [every[o] for o in owners], [every_len[o] for o in owners],
-                                   [[n - 1] for n in lens], device="cuda")
-            hidden = passes.state_and_row_pass(docs, handles, batch)
-            outs.append((hidden, [s.clone() for h, n in zip(handles, doc_lens) for s in slot_states(bank, h, n)]))
-            for h in handles:
-                bank.free(h)
-        (a, states_a), (b, states_b), (c, states_c) = outs
+        (a, states_a), (b, states_b), (c, states_c) = (sweep(setup, passes, docs, rows, owners)
+                                                        for passes in (graphed, eager, runner))
         assert torch.isfinite(a.float()).all()
         assert torch.equal(a, b), f"sweep replay != eager, max {(a.float() - b.float()).abs().max()}"
         assert rel_err(c, a) <= 2e-2
@@ -249,25 +256,15 @@ def test_sweep_indexed_equals_gathered_bitwise(setup):
     from their new document's state, which the gathered variant copies after the documents' scan."""
     from kev.ops.gathered_ops import GatheredOps
 
-    runner, bank = setup["runner"], setup["bank"]
-    gathered = Runner(runner.model, bank, GatheredOps(), tuner=setup["tuner"])
+    runner = setup["runner"]
+    gathered = Runner(runner.model, setup["bank"], GatheredOps(), tuner=setup["tuner"])
     g = torch.Generator().manual_seed(11)
     doc_lens = (700, 30)
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in doc_lens]
     lens = torch.randint(1, 33, (9,), generator=g).tolist()
     rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
     owners = [0, 1, 2, 0, 3, 1, 0, 2, 1]  # the sweep's two documents and two stored ones
-    outs = []
-    for passes in (runner, gathered):
-        handles = [bank.alloc(n) for n in doc_lens]
-        every, every_len = handles + setup["handles"], list(doc_lens) + list(DOC_LENS)
-        batch = RowBatch.build(rows, [every[o] for o in owners], [every_len[o] for o in owners],
-                               [[n - 1] for n in lens], device="cuda")
-        hidden = passes.state_and_row_pass(docs, handles, batch)
-        outs.append((hidden, [s.clone() for h, n in zip(handles, doc_lens) for s in slot_states(bank, h, n)]))
-        for h in handles:
-            bank.free(h)
-    (a, states_a), (b, states_b) = outs
+    (a, states_a), (b, states_b) = (sweep(setup, passes, docs, rows, owners) for passes in (runner, gathered))
     assert torch.isfinite(a.float()).all()
     assert torch.equal(a, b), f"indexed != gathered, max {(a.float() - b.float()).abs().max()}"
     assert all(torch.equal(x, y) for x, y in zip(states_a, states_b)), "the two stored other states"

@@ -304,6 +304,19 @@ ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
 }
 
 
+def paged_meta(g, lens, prefixes, write, NB, BS, MB=72):
+    """A PassMeta of sequences with `prefixes` stored tokens each, their pages scattered over NB."""
+    perm = torch.randperm(NB, generator=g)
+    table, used = [], 0
+    for L, P in zip(lens, prefixes):
+        need = -(-(P + L) // BS)
+        table.append(perm[used:used + need].tolist() + [-1] * (MB - need))
+        used += need
+    return PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(len(lens), dtype=torch.int64),
+                    write_slots=torch.tensor(write), prefix_lens=torch.tensor(prefixes),
+                    block_table=torch.tensor(table, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize("nv", [1, 2, 4], ids=lambda n: f"nv{n}")
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
@@ -316,21 +329,13 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     HQ, HKV = heads
     D, BS, NB = 64 if nv == 4 else 32, 16, 96
     g = torch.Generator().manual_seed(HQ + len(lens))
-    T, N = sum(lens), len(lens)
+    T = sum(lens)
     q = torch.randn(T, HQ, D + 8, generator=g)[..., 4:4 + D]  # strided views
     k = torch.randn(T, HKV, D, generator=g)
     v = torch.randn(T, HKV, D + 2, generator=g)[..., :D]
     kbase, key_pages = strided_pool(g, (NB, BS, HKV, D))
     _, value_pages = strided_pool(g, (NB, BS, HKV, D))
-    perm = torch.randperm(NB, generator=g)
-    MB, table, used = 72, [], 0
-    for L, P in zip(lens, prefixes):
-        need = -(-(P + L) // BS)
-        table.append(perm[used:used + need].tolist() + [-1] * (MB - need))
-        used += need
-    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
-                    write_slots=torch.tensor(write), prefix_lens=torch.tensor(prefixes),
-                    block_table=torch.tensor(table, dtype=torch.int32))
+    meta = paged_meta(g, lens, prefixes, write, NB, BS)
     ref_k, ref_v = key_pages.clone(), value_pages.clone()
     kbefore = kbase.clone()
     out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
@@ -355,21 +360,13 @@ def test_paged_store_writes_what_attention_writes(interp, poisoned, case, heads)
     HQ, HKV = heads
     D, BS, NB = 32, 16, 96
     g = torch.Generator().manual_seed(7 * HQ + len(lens))
-    T, N = sum(lens), len(lens)
+    T = sum(lens)
     q = torch.randn(T, HQ, D, generator=g)
     k = torch.randn(T, HKV, D + 8, generator=g)[..., 2:2 + D]  # strided views
     v = torch.randn(T, HKV, D, generator=g)
     _, key_pages = strided_pool(g, (NB, BS, HKV, D))
     _, value_pages = strided_pool(g, (NB, BS, HKV, D))
-    perm = torch.randperm(NB, generator=g)
-    MB, table, used = 72, [], 0
-    for L, P in zip(lens, prefixes):
-        need = -(-(P + L) // BS)
-        table.append(perm[used:used + need].tolist() + [-1] * (MB - need))
-        used += need
-    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
-                    write_slots=torch.tensor(write), prefix_lens=torch.tensor(prefixes),
-                    block_table=torch.tensor(table, dtype=torch.int32))
+    meta = paged_meta(g, lens, prefixes, write, NB, BS)
     pages = {name: (key_pages.clone(), value_pages.clone()) for name in ("attention", "store", "torch")}
     attn = interp.attn
     attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
@@ -398,10 +395,7 @@ def test_split_attention_at_other_span_counts(interp, spans):
     k, v = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)
     _, key_pages = strided_pool(g, (NB, BS, HKV, D))
     _, value_pages = strided_pool(g, (NB, BS, HKV, D))
-    table = [list(range(0, 72)), list(range(72, 76)) + [-1] * 68]
-    meta = PassMeta(cu_seqlens=packed(lens), read_slots=torch.zeros(N, dtype=torch.int64),
-                    write_slots=torch.full((N,), -1), prefix_lens=torch.tensor(prefixes),
-                    block_table=torch.tensor(table, dtype=torch.int32))
+    meta = paged_meta(g, lens, prefixes, [-1] * N, NB, BS)
     out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
                                              key_pages=key_pages, value_pages=value_pages,
                                              block_table=meta.block_table, write_slots=meta.write_slots,

@@ -422,11 +422,8 @@ def paged_prefix_attention(
     out_value_pages = value_pages if out_value_pages is None else out_value_pages
     write_table = block_table if write_table is None else write_table
     BS = key_pages.shape[1]
-    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages), ("out_key_pages", out_key_pages),
-                        ("out_value_pages", out_value_pages)):
-        if pages.ndim != 4 or tuple(pages.shape[1:]) != (BS, HKV, D) or pages.stride(3) != 1:
-            raise ValueError(f"{name} must be [NB, BS={BS}, Hkv={HKV}, D={D}] with unit stride over D, "
-                             f"got {tuple(pages.shape)} strides {pages.stride()}")
+    _check_pages(BS, HKV, D, key_pages=key_pages, value_pages=value_pages, out_key_pages=out_key_pages,
+                 out_value_pages=out_value_pages)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1:
             raise ValueError(f"{name} {tuple(t.shape)} needs unit stride over D, strides {t.stride()}")
@@ -502,10 +499,7 @@ def paged_store(
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, Hkv, D] with unit stride over D")
     T, HKV, D = k.shape
     BS = key_pages.shape[1]
-    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
-        if pages.ndim != 4 or tuple(pages.shape[1:]) != (BS, HKV, D) or pages.stride(3) != 1:
-            raise ValueError(f"{name} must be [NB, BS={BS}, Hkv={HKV}, D={D}] with unit stride over D, "
-                             f"got {tuple(pages.shape)} strides {pages.stride()}")
+    _check_pages(BS, HKV, D, key_pages=key_pages, value_pages=value_pages)
     N = prefix_lens.shape[0]
     if cu_seqlens.shape != (N + 1,) or write_slots.shape != (N,) or block_table.ndim != 2 \
             or block_table.shape[0] != N or block_table.stride(1) != 1:
@@ -521,6 +515,13 @@ def paged_store(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_table.stride(0), D=D, BD=max(32, triton.next_power_of_2(D)), BS=BS, BM=query_block(group),
         num_warps=4)
+
+
+def _check_pages(BS: int, HKV: int, D: int, **pages: torch.Tensor) -> None:
+    for name, p in pages.items():
+        if p.ndim != 4 or tuple(p.shape[1:]) != (BS, HKV, D) or p.stride(3) != 1:
+            raise ValueError(f"{name} must be [NB, BS={BS}, Hkv={HKV}, D={D}] with unit stride over D, "
+                             f"got {tuple(p.shape)} strides {p.stride()}")
 
 
 def _launch(kernel, tuned, config, grid, args, meta):
