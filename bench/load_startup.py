@@ -26,6 +26,7 @@ from bench.load_workloads import Workload
 
 SCORER_MAX_ROWS_PER_PASS = 96  # scorer_service default (KEV_MAX_ROWS_PER_PASS)
 BANK_MAX_PASS_DOCUMENTS = 64  # bank_service default (--max-pass-documents)
+SCORER_MAX_GRAPHS = 32  # scorer_service default (KEV_MAX_GRAPHS)
 BANK_MAX_PASS_TOKENS = 16384  # bank_service default (--max-pass-tokens)
 STATE_CHUNK_TOKENS = 8192  # the bank's state-pass chunk (kev.passes.PassBuilder's default)
 
@@ -38,14 +39,29 @@ def _doc_lengths(w: Workload) -> list[int]:
     return list(w.doc_tokens) if w.doc_range is None else list(w.doc_range)
 
 
-def row_plan(workloads: list[Workload], max_rows_per_pass: int = SCORER_MAX_ROWS_PER_PASS) -> str:
-    """KEV_GRAPH_ROWS for these workloads: 'RxL,...' (room for 5 picks a row, as the default)."""
+def _in_turn(per_length: list[list[str]], limit: int) -> str:
+    """At most `limit` buckets, taken in turn from each length's list (its first ones first)."""
+    plan: list[str] = []
+    while len(plan) < limit and any(per_length):
+        for keys in per_length:
+            if keys and len(plan) < limit:
+                plan.append(keys.pop(0))
+    return ",".join(plan) or "none"
+
+
+def row_plan(workloads: list[Workload], max_rows_per_pass: int = SCORER_MAX_ROWS_PER_PASS,
+             limit: int = SCORER_MAX_GRAPHS) -> str:
+    """KEV_GRAPH_ROWS for these workloads: 'RxL,...' (room for 5 picks a row, as the default), at
+    most `limit` buckets (the scorer refuses a plan over its KEV_MAX_GRAPHS). The longest row
+    length's buckets come first, all of them: a pass pads to its longest row, so they serve every
+    workload's passes; shorter lengths' follow, fewest rows first, while there is room (mixed and
+    longdoc in one run: 20 at 64 tokens, then 12 of longdoc's 32)."""
     from kev.graphs import Buckets
 
     b = Buckets()
     top = _bucket(max_rows_per_pass, b.rows) or b.rows[-1]
-    lengths = sorted({L for w in workloads if (L := _bucket(w.row_tokens[1], b.row_tokens)) is not None})
-    return ",".join(f"{R}x{L}" for L in lengths for R in b.rows if R <= top) or "none"
+    lengths = sorted({L for w in workloads if (L := _bucket(w.row_tokens[1], b.row_tokens)) is not None}, reverse=True)
+    return ",".join([f"{R}x{L}" for L in lengths for R in b.rows if R <= top][:limit]) or "none"
 
 
 def doc_plan(workloads: list[Workload], max_pass_documents: int = BANK_MAX_PASS_DOCUMENTS, limit: int = 24) -> str:
@@ -55,14 +71,8 @@ def doc_plan(workloads: list[Workload], max_pass_documents: int = BANK_MAX_PASS_
 
     b = Buckets()
     lengths = sorted({L for w in workloads for n in _doc_lengths(w) if (L := _bucket(n, b.doc_tokens)) is not None})
-    per_length = [[f"{D}x{L}" for D in b.docs if D <= max_pass_documents and b.state_key(D, L) is not None]
-                  for L in lengths]
-    plan: list[str] = []
-    while len(plan) < limit and any(per_length):
-        for keys in per_length:
-            if keys and len(plan) < limit:
-                plan.append(keys.pop(0))
-    return ",".join(plan) or "none"
+    return _in_turn([[f"{D}x{L}" for D in b.docs if D <= max_pass_documents and b.state_key(D, L) is not None]
+                     for L in lengths], limit)
 
 
 def warm_plan(workloads: list[Workload], graph_rows: str = "none", graph_docs: str = "none",

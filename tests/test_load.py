@@ -301,6 +301,8 @@ def test_start_up_plans_follow_the_workloads():
     assert row_plan([six]) == "1x32,2x32,3x32,4x32,5x32,6x32,7x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
     assert doc_plan([six]) == "1x48,2x48,4x48,6x48,8x48,12x48,16x48,24x48,32x48,48x48,64x48"
     assert doc_plan([five]) == "1x2208,2x2208,4x2208,6x2208"
+    two_lengths = row_plan([mixed, WORKLOADS["longdoc"]]).split(",")  # 40 buckets would not start a scorer
+    assert len(two_lengths) == 32 and two_lengths[19] == "96x64" and two_lengths[20:23] == ["1x32", "2x32", "3x32"]
     both = doc_plan([six, five]).split(",")
     assert len(both) == 15 and both[:4] == ["1x48", "1x2208", "2x48", "2x2208"]
     assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
