@@ -218,6 +218,36 @@ def test_kernels_match_references():
         assert rel_err(a_ref, a) <= 2e-2 and torch.equal(kp, rkp) and torch.equal(vp, rvp)
 
 
+def test_attention_reads_no_keys_past_a_bucket_padding_sequence():
+    """A CUDA-graph state bucket counts every sequence at the bucket's length in its static chunk
+    list, so a short sequence (a document's padding partner, last in the pass) gets query blocks
+    far past its end. d71f63f read those blocks' own keys unmasked up to the block start: 8,184
+    rows past the last token here, ~100 MB past the qkv buffer (the model's column views: a
+    12 KB row stride), and the H200 faulted. The document's output must match the reference and
+    the GPU stay healthy; the padding rows' outputs are never used."""
+    from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
+    from kev.ops.meta import PassMeta
+    from kev.static_pass import static_chunks
+
+    L, doc, Hq, Hkv, D = 8192, 8184, 16, 4, 256
+    g = torch.Generator(device="cuda").manual_seed(3)
+    pages = torch.zeros(2, 64, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, doc, L], device="cuda")
+    zeros, no_write = torch.zeros(2, dtype=torch.int64, device="cuda"), torch.full((2,), -1, device="cuda")
+    qkv = torch.randn(L, (Hq + 2 * Hkv) * D, generator=g, device="cuda").bfloat16()  # the last big allocation
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=1)
+    q, k, v = q.unflatten(1, (Hq, D)), k.unflatten(1, (Hkv, D)), v.unflatten(1, (Hkv, D))
+    for split in (False, True):
+        o = paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros, key_pages=pages,
+                                   value_pages=pages, block_table=table, write_slots=no_write,
+                                   chunk_indices=static_chunks(2, L, query_block(Hq // Hkv), "cuda"), split=split)
+        torch.cuda.synchronize()  # a fault surfaces here
+        meta = PassMeta(cu_seqlens=cu, read_slots=no_write, write_slots=no_write, prefix_lens=zeros, block_table=table)
+        ref = TorchOps().attention(q, k, v, meta, pages.clone(), pages.clone())
+        assert rel_err(ref[:doc], o[:doc]) <= 2e-2 and rel_err(ref[doc:], o[doc:]) <= 2e-2
+
+
 def test_no_recompiles_over_batch_sizes(setup, monkeypatch):
     """After two warm passes (1 row: paged attention's split mode; 64 rows: its one-program mode),
     row passes of 1..64 rows (32 tokens each) compile nothing new."""

@@ -139,7 +139,7 @@ def _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, p_rt, lo, hi, i_k
                  D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
     """The online softmax (b_m, b_l, b_acc) continued over prefix keys [lo, hi): the whole tiles
     unmasked, then the last, partial one masked."""
-    full = lo + (hi - lo) // BN * BN
+    full = lo + (hi - lo) // BN * BN  # callers keep lo <= hi (`_span`)
     b_m, b_l, b_acc = _prefix_tiles(b_q, b_m, b_l, b_acc, key_pages, value_pages, p_rt, lo, full, hi, i_kvh, o_v,
                                     qk_scale, stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s,
                                     stride_vp_h, D, BD, BS, BN, False)
@@ -177,10 +177,12 @@ def _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale
               stride_k_t, stride_k_h, stride_v_t, stride_v_h,
               D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The online softmax continued over the sequence's own keys, causally: the tiles wholly before
-    the block's first query token unmasked (every key there is < L and seen by every query), then
-    the diagonal tiles masked."""
+    the block's first query token and L unmasked (every key there exists and is seen by every
+    query), then the diagonal tiles masked."""
     hi = tl.minimum((i_t + 1) * BM, L)
-    full = i_t * BM // BN * BN
+    # min with L: a CUDA-graph bucket's static chunk list holds blocks past a short sequence's end
+    # (its padding sequence's), whose unmasked keys would be read past the tokens (d71f63f's crash).
+    full = tl.minimum(i_t * BM, L) // BN * BN
     b_m, b_l, b_acc = _own_tiles(b_q, b_m, b_l, b_acc, k, v, bos, L, 0, full, t_r, i_kvh, o_v, qk_scale,
                                  stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BN, False)
     return _own_tiles(b_q, b_m, b_l, b_acc, k, v, bos, L, full, hi, t_r, i_kvh, o_v, qk_scale,
@@ -266,10 +268,11 @@ def _block(chunk_indices, cu_seqlens, prefix_lens, i_ct):
 
 @triton.jit
 def _span(prefix, i_s, NS: tl.constexpr, BN: tl.constexpr):
-    """Prefix keys [lo, hi) of span i_s of NS: whole key tiles, sized from the prefix length alone."""
+    """Prefix keys [lo, hi) of span i_s of NS: whole key tiles, sized from the prefix length alone
+    (lo <= hi always: the spans past a short prefix are empty, not negative)."""
     span = tl.cdiv(tl.cdiv(prefix, BN), NS) * BN
     lo = i_s * span
-    return lo, tl.minimum(lo + span, prefix)
+    return lo, tl.maximum(tl.minimum(lo + span, prefix), lo)  # an empty span: hi == lo
 
 
 @triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
