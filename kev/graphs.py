@@ -138,8 +138,7 @@ class GraphedPasses:
             self.stats.unbucketed += 1
             return self.runner.row_pass(batch)
         entry = self._entry(key)
-        P = entry.static.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions,
-                                   batch.picks, self.runner.bank.block_table)
+        P = entry.static.fill_rows(*batch.host_fields(), self.runner.bank.block_table)
         return self._run(key, entry)[:P].clone()
 
     @torch.no_grad()
@@ -176,8 +175,7 @@ class GraphedPasses:
         entry = self._entry(key)
         table = self.runner.bank.block_table
         entry.static.fill_state(documents, [h.slot for h in handles], table)
-        P = entry.rows.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions,
-                                 batch.picks, table)
+        P = entry.rows.fill_rows(*batch.host_fields(), table)
         return self._run(key, entry)[:P].clone()
 
     def _row_key(self, batch: RowBatch) -> GraphKey | None:

@@ -74,6 +74,12 @@ class RowBatch:
     picks: torch.Tensor  # [P] int64 packed positions of <decide> / </opt> tokens
     positions: torch.Tensor  # [T] int64 absolute position of every token
     row_lens: tuple[int, ...] = ()  # host copy of the row lengths (CUDA-graph buckets); () when unknown
+    host: tuple[torch.Tensor, ...] = ()  # CPU copies of tokens, cu_seqlens, slots, doc_lens, positions, picks
+
+    def host_fields(self) -> tuple[torch.Tensor, ...]:
+        """tokens, cu_seqlens, slots, doc_lens, positions, picks: the host copies when the batch
+        has them (a CUDA-graph bucket's fill builds its block on the host), else the tensors."""
+        return self.host or (self.tokens, self.cu_seqlens, self.slots, self.doc_lens, self.positions, self.picks)
 
     @property
     def shape_class(self) -> ShapeClass:
@@ -91,9 +97,12 @@ class RowBatch:
         flat = [t for r in rows for t in r]
         parts = (flat, cu, [h.slot for h in handles], list(doc_lens), picks, host_positions(lens, list(doc_lens)))
         # One host block, one copy that does not wait for the GPU (kev/transfer.py); the fields are views.
-        block = to_device(host_int64(v for part in parts for v in part), device)
-        tokens, cu_seqlens, slots, lens_t, picks_t, positions = block.split([len(p) for p in parts])
-        return cls(tokens, cu_seqlens, slots, lens_t, picks_t, positions, tuple(lens))
+        host = host_int64(v for part in parts for v in part)
+        sizes = [len(p) for p in parts]
+        tokens, cu_seqlens, slots, lens_t, picks_t, positions = to_device(host, device).split(sizes)
+        h_tokens, h_cu, h_slots, h_lens, h_picks, h_positions = host.split(sizes)
+        return cls(tokens, cu_seqlens, slots, lens_t, picks_t, positions, tuple(lens),
+                   (h_tokens, h_cu, h_slots, h_lens, h_positions, h_picks))
 
 
 class Runner:

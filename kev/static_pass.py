@@ -35,7 +35,7 @@ import torch
 
 from kev.ops.autotune import ShapeClass, classify
 from kev.ops.meta import PassMeta
-from kev.transfer import host_int64, to_device
+from kev.transfer import copy_in, host_int64
 
 CHUNK = 64  # the conv / delta-rule chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
 
@@ -100,21 +100,20 @@ class StaticPass:
     def __init__(self, key: GraphKey, table_width: int, attn_block: int, device):
         self.key = key
         N, T, L, P = key.num_slots, key.num_tokens, key.seq_len, key.picks
-        as_long = dict(dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(T, **as_long)
-        self.positions = torch.zeros(T, **as_long)
-        self.cu_seqlens = torch.arange(N + 1, **as_long) * L
-        self.read_slots = torch.full((N,), -1, **as_long)
-        self.write_slots = torch.full((N,), -1, **as_long)
-        self.prefix_lens = torch.zeros(N, **as_long)
+        # Every int64 index buffer is a view of one block, so a fill is one host-built block and
+        # one copy (a new five-long request's fills were ~20 small device ops in front of its graph).
+        self._sizes = (T, T, N + 1, N, N, N, P)
+        self._template = torch.cat([torch.zeros(2 * T, dtype=torch.int64), torch.arange(N + 1) * L,
+                                    torch.full((2 * N,), -1), torch.zeros(N + P, dtype=torch.int64)])
+        self._ints = self._template.to(device)
+        (self.tokens, self.positions, self.cu_seqlens, self.write_slots, self.read_slots, self.prefix_lens,
+         self.picks) = self._ints.split(self._sizes)
         self.block_table = torch.zeros((N, table_width), dtype=torch.int32, device=device)
-        self.picks = torch.zeros(P, **as_long)
-        self._arange = torch.arange(max(T, N) + 1, **as_long)
         self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
                              prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions,
                              shape_class=key.shape_class)  # a STATE bucket's N counts padding sequences
         self.chunks = static_chunks(N, L, CHUNK, device)
-        self.chunk_offsets = torch.arange(N + 1, **as_long) * -(-L // CHUNK)
+        self.chunk_offsets = torch.arange(N + 1, dtype=torch.int64, device=device) * -(-L // CHUNK)
         self.attn_chunks = {attn_block: static_chunks(N, L, attn_block, device)}
 
     def indices(self):
@@ -123,38 +122,46 @@ class StaticPass:
 
         return PassIndices(chunks=self.chunks, chunk_offsets=self.chunk_offsets, attn_chunks=dict(self.attn_chunks))
 
+    def _host_block(self) -> tuple[torch.Tensor, ...]:
+        """A fresh host copy of the index block (padding values in place) and its fields' views:
+        tokens, positions, cu_seqlens, write_slots, read_slots, prefix_lens, picks."""
+        host = self._template.clone()
+        return (host, *host.split(self._sizes))
+
     def fill_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                   doc_lens: torch.Tensor, positions: torch.Tensor, picks: torch.Tensor,
                   bank_table: torch.Tensor) -> int:
-        """Place a packed row batch (device tensors; every row <= L tokens, N <= R rows, P <= picks
-        capacity: the caller checked with host ints) into the ROWS layout, on the device, no sync.
-        Returns P. Padding tokens keep whatever valid ids and positions they held."""
+        """Place a packed row batch (every row <= L tokens, N <= R rows, P <= picks capacity: the
+        caller checked with host ints) into the ROWS layout: built on the host, one copy in, then
+        the rows' block-table rows gathered on the device; no sync. The batch's fields are host
+        tensors (`RowBatch.host_fields`); device ones are copied back first (start-up, tests).
+        Returns P. Padding tokens are token 0 at position 0; padding picks read token 0 of row 0
+        (a real position, its output dropped)."""
         key = self.key
         assert key.kind is PassKind.ROWS
+        tokens, cu_seqlens, slots, doc_lens, positions, picks = (
+            t.cpu() for t in (tokens, cu_seqlens, slots, doc_lens, positions, picks))
         N, T, P, L = slots.shape[0], tokens.shape[0], picks.shape[0], key.seq_len
-        lens = cu_seqlens[1:] - cu_seqlens[:-1]
-        row = torch.repeat_interleave(self._arange[:N], lens, output_size=T)  # [T] row of each token
-        dst = row * L + (self._arange[:T] - cu_seqlens[row])  # [T] its place in the bucket
-        self.tokens.index_copy_(0, dst, tokens)
-        self.positions.index_copy_(0, dst, positions)
-        self.read_slots[:N].copy_(slots)
-        self.read_slots[N:].fill_(-1)
-        self.prefix_lens[:N].copy_(doc_lens)
-        self.prefix_lens[N:].fill_(0)
-        torch.index_select(bank_table, 0, slots.clamp(min=0), out=self.block_table[:N])
-        torch.index_select(dst, 0, picks, out=self.picks[:P])
-        self.picks[P:].fill_(0)  # token 0 of row 0: a real position, its output dropped
+        host, h_tokens, h_positions, _, _, h_read, h_prefix, h_picks = self._host_block()
+        row = torch.repeat_interleave(torch.arange(N), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T)
+        dst = row * L + (torch.arange(T) - cu_seqlens[row])  # [T] each token's place in the bucket
+        h_tokens[dst] = tokens
+        h_positions[dst] = positions
+        h_read[:N] = slots
+        h_prefix[:N] = doc_lens
+        h_picks[:P] = dst[picks]
+        copy_in(self._ints, host)
+        torch.index_select(bank_table, 0, self.read_slots[:N].clamp(min=0), out=self.block_table[:N])
         return P
 
     def fill_state(self, documents: Sequence[Sequence[int]], slots: Sequence[int], bank_table: torch.Tensor) -> None:
-        """Place new documents (each <= L tokens, D <= R) into the STATE layout: one host-built
-        int64 block copied in, then the block-table rows of the written slots."""
+        """Place new documents (each <= L tokens, D <= R) into the STATE layout: the block built
+        on the host, one copy in, then the block-table rows of the written slots."""
         key = self.key
         assert key.kind is PassKind.STATE
-        N, L, T, R, D = key.num_slots, key.seq_len, key.num_tokens, key.seqs, len(documents)
+        N, L, R, D = key.num_slots, key.seq_len, key.seqs, len(documents)
         # Host tensor ops, not Python lists: a 2,208-token bucket's list took 0.35 ms of a new request.
-        host = torch.zeros(2 * T + 2 * N + 1, dtype=torch.int64)
-        tokens, positions, cu, write = host.split([T, T, N + 1, N])
+        host, tokens, positions, cu, write, _, _, _ = self._host_block()
         lens = torch.zeros(R, dtype=torch.int64)
         for n, doc in enumerate(documents):
             tokens[n * L : n * L + len(doc)] = host_int64(doc)
@@ -164,13 +171,8 @@ class StaticPass:
         positions.view(R, L).copy_(t - torch.where(t >= lens[:, None], lens[:, None], 0))
         starts = torch.arange(R) * L
         cu[1::2], cu[2::2] = starts + lens, starts + L
-        write.fill_(-1)
         write[0 : 2 * D : 2] = host_int64(slots[:D])
-        dev = to_device(host, self.tokens.device)
-        self.tokens.copy_(dev[:T])
-        self.positions.copy_(dev[T : 2 * T])
-        self.cu_seqlens.copy_(dev[2 * T : 2 * T + N + 1])
-        self.write_slots.copy_(dev[2 * T + N + 1 :])
+        copy_in(self._ints, host)
         self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
 
 

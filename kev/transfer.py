@@ -32,6 +32,15 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def copy_in(device_tensor: torch.Tensor, host: torch.Tensor) -> None:
+    """`device_tensor.copy_(host)` (same shape); to CUDA without waiting for the GPU: queued behind
+    whatever already reads `device_tensor` (a graph replay still running), as kernels are."""
+    if device_tensor.device.type != "cuda":
+        device_tensor.copy_(host)
+    else:
+        device_tensor.copy_(host.pin_memory(), non_blocking=True)
+
+
 def to_host_later(values: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that will hold `values` once the GPU reaches this point of its stream
     (wait on an event recorded after this call before reading it); CPU tensors are returned as is."""
