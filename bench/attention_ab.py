@@ -7,7 +7,8 @@
    cuDNN backends each, plus the page store it would then need (`index_copy_` of K and V into the
    pages).
 2. Rows over stored documents: the one-program kernel against split mode (a program per prefix
-   span, then the finish kernel), every config of each; split mode also at SPAN_COUNTS spans.
+   span, then the finish kernel), every config of each; split mode also at SPAN_COUNTS spans and
+   at SPLIT_BLOCK_M query tokens a program.
 Each candidate is captured in a CUDA graph (10 calls) and timed by replay, so host work is not
 in the figures. Outputs are compared (relative error).
 
@@ -33,6 +34,7 @@ SHAPES = [(1, 2208), (6, 2208), (16, 2048)]  # (documents, tokens each)
 ROW_SHAPES = [(1, 16, 2200), (6, 32, 48), (5, 32, 2200), (8, 64, 2200)]
 CALLS = 10  # calls per captured graph
 SPAN_COUNTS = (4, 16, 32)  # split mode's span counts timed beside PREFIX_SPANS
+SPLIT_BLOCK_M = (8,)  # split mode's query tokens a program timed beside query_block (16 at Kev-4B's 4 heads a group)
 
 
 def graph_us(fn) -> float:
@@ -110,16 +112,20 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
     table = torch.randperm(rows * per, device=DEVICE).to(torch.int32).view(rows, per)  # scattered pages
     cu = torch.arange(rows + 1, **as_long) * tokens
     block = paged_prefix.query_block(Hq // Hkv)
-    n_blocks = -(-tokens // block)
-    chunks = torch.stack([torch.arange(rows, **as_long).repeat_interleave(n_blocks),
-                          torch.arange(n_blocks, **as_long).repeat(rows)], 1)
     prefixes, no_write = torch.full((rows,), prefix, **as_long), torch.full((rows,), -1, **as_long)
 
-    def attn(split, config, spans=paged_prefix.PREFIX_SPANS):
+    def blocks(block):
+        n_blocks = -(-tokens // block)
+        return torch.stack([torch.arange(rows, **as_long).repeat_interleave(n_blocks),
+                            torch.arange(n_blocks, **as_long).repeat(rows)], 1)
+
+    chunks_by_block = {block: blocks(block), **{m: blocks(m) for m in SPLIT_BLOCK_M}}
+
+    def attn(split, config, spans=paged_prefix.PREFIX_SPANS, block_m=block):
         return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes,
                                                    key_pages=key_pages, value_pages=value_pages, block_table=table,
-                                                   write_slots=no_write, chunk_indices=chunks, split=split,
-                                                   config=config, spans=spans)
+                                                   write_slots=no_write, chunk_indices=chunks_by_block[block_m],
+                                                   split=split, config=config, spans=spans, block_m=block_m)
 
     out = {"rows": rows, "tokens": tokens, "prefix": prefix}
     configs = [c for c in paged_prefix.ATTN_CONFIGS if paged_prefix.valid_configs([c], {}, BD=max(32, D))]
@@ -141,6 +147,15 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
         out["split_spans"][spans] = {"us": graph_us(lambda: attn(True, best_split, spans)),
                                      "config": str(best_split),
                                      "rel_err_vs_one_program": ((got - ref).norm() / ref.norm()).item()}
+    # Split mode with fewer query tokens a program (serving: query_block), every config: a [64, 256]
+    # fp32 accumulator spills at one value slice; 8 tokens x 4 heads make it [32, 256].
+    out["split_block_m"] = {}
+    for m in SPLIT_BLOCK_M:
+        us = {str(c): graph_us(lambda c=c: attn(True, c, block_m=m)) for c in configs}
+        best = min(us, key=us.get)
+        got = attn(True, configs[0], block_m=m).float()
+        out["split_block_m"][m] = {"best_us": us[best], "best_config": best, "configs_us": us,
+                                   "rel_err_vs_one_program": ((got - ref).norm() / ref.norm()).item()}
     return out
 
 
@@ -165,7 +180,9 @@ def main():
         print(f"{rows}x{tokens}@{prefix}: one program {entry['one_program']['best_us']:.1f} us, split "
               f"{entry['split']['best_us']:.1f} us ({entry['split']['best_config']}), rel err "
               f"{entry['split']['rel_err_vs_one_program']:.1e}; split by spans "
-              + ", ".join(f"{n}: {e['us']:.1f}" for n, e in entry["split_spans"].items()), flush=True)
+              + ", ".join(f"{n}: {e['us']:.1f}" for n, e in entry["split_spans"].items())
+              + "; split by query tokens a program "
+              + ", ".join(f"{m}: {e['best_us']:.1f}" for m, e in entry["split_block_m"].items()), flush=True)
         torch.cuda.empty_cache()
     write_json(args.out, result)
 

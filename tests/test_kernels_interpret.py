@@ -404,6 +404,29 @@ def test_split_attention_at_other_span_counts(interp, spans):
     assert rel_err(ref, out) <= 1e-5
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+@pytest.mark.parametrize("block_m", [8, 64])
+def test_attention_at_other_query_blocks(interp, split, block_m):
+    """`block_m` (benchmarks only): 8 or 64 query tokens a program instead of `query_block`'s 32
+    (2 heads a group), with chunk lists built for it, still matches the reference."""
+    g = torch.Generator().manual_seed(block_m)
+    HQ, HKV, D, BS, NB = 4, 2, 32, 16, 96
+    lens, prefixes = [70, 5], [300, 40]
+    T, N = sum(lens), len(lens)
+    q = torch.randn(T, HQ, D, generator=g)
+    k, v = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)
+    _, key_pages = strided_pool(g, (NB, BS, HKV, D))
+    _, value_pages = strided_pool(g, (NB, BS, HKV, D))
+    meta = paged_meta(g, lens, prefixes, [-1] * N, NB, BS)
+    attn = interp.attn
+    out = attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
+                                      key_pages=key_pages, value_pages=value_pages, block_table=meta.block_table,
+                                      write_slots=meta.write_slots, split=split, block_m=block_m,
+                                      chunk_indices=attn.prepare_chunk_indices(meta.cu_seqlens, block_m))
+    ref = TorchOps().attention(q, k, v, meta, key_pages.clone(), value_pages.clone())
+    assert rel_err(ref, out) <= 1e-5
+
+
 def test_attention_configs_keep_a_dot_operand():
     """The autotuner only tries value splits whose slice is still a dot operand (>= 16 features)."""
     from kev.ops.attention.paged_prefix import valid_configs

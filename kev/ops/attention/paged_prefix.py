@@ -434,6 +434,7 @@ def paged_prefix_attention(
     block_n: int | None = None,
     split: bool | None = None,
     spans: int = PREFIX_SPANS,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
 
@@ -454,6 +455,8 @@ def paged_prefix_attention(
                    their pass's class pass it from that class, `TritonOps.attention` does)
     spans:         split mode's prefix spans (the merge order depends on it: serving keeps
                    PREFIX_SPANS; other counts are for benchmarks)
+    block_m:       query tokens per program (default `query_block(Hq // Hkv)`; others for benchmarks:
+                   `chunk_indices` must then be built with it)
     Returns o: [T, Hq, D] contiguous, q's dtype.
     """
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
@@ -484,7 +487,7 @@ def paged_prefix_attention(
     # index tensors (never the pages) must be contiguous: a strided index view costs a tiny copy
     cu_seqlens, prefix_lens, write_slots = cu_seqlens.contiguous(), prefix_lens.contiguous(), write_slots.contiguous()
     G = HQ // HKV
-    BM = query_block(G)
+    BM = block_m or query_block(G)
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, BM)
     chunk_indices = chunk_indices.contiguous()
