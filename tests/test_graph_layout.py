@@ -140,6 +140,21 @@ def test_state_fill_and_host_ints():
         assert torch.equal(host_int64(values), torch.tensor(values, dtype=torch.int64))
 
 
+def test_start_up_buckets_are_captured_largest_first(model):
+    """The gathered variant's row buffers grow with the passes that need them and keep what they
+    outgrow (graphs point into it): the start-up capture and queue go from the most rows down."""
+    from kev.graphs import largest_first
+
+    b = Buckets()
+    small, wide, long_rows = b.row_key(2, 32, 2), b.row_key(64, 32, 64), b.row_key(8, 64, 8)
+    sweep = SweepKey(b.state_key(1, 48), small)
+    assert largest_first([small, sweep, long_rows, wide]) == [wide, long_rows, sweep, small]
+    bank = Bank.allocate(model.cfg, num_slots=4, num_blocks=64, block_size=16, dtype=torch.float32)
+    graphed = GraphedPasses(Runner(model, bank, CpuTritonOps()), policy=CapturePolicy.WHEN_IDLE)
+    graphed.queue([small, wide, long_rows])
+    assert graphed.pending == [wide, long_rows, small]
+
+
 def test_bucket_keys():
     b = Buckets()
     assert b.row_key(6, 32, 6) == GraphKey(PassKind.ROWS, 6, 32, 32)  # picks capacity 5 a row at least
