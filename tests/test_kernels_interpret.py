@@ -383,35 +383,11 @@ def test_paged_store_writes_what_attention_writes(interp, poisoned, case, heads)
         assert not torch.equal(pages["store"][0], key_pages), "nothing was stored"
 
 
-@pytest.mark.parametrize("spans", [1, 3, 16])
-def test_split_attention_at_other_span_counts(interp, spans):
-    """`spans` (benchmarks only): split mode over 1, 3 or 16 prefix spans (16: most of them empty
-    for a 3-tile prefix) still matches the reference."""
-    g = torch.Generator().manual_seed(spans)
+def attention_vs_reference(interp, seed, lens, prefixes, chunk_block=None, **kwargs) -> float:
+    """Relative error of `paged_prefix_attention(**kwargs)` (4 query heads over 2 kv heads, nothing
+    stored) against the torch reference; `chunk_block`: chunk lists built for that query block."""
+    g = torch.Generator().manual_seed(seed)
     HQ, HKV, D, BS, NB = 4, 2, 32, 16, 96
-    lens, prefixes = [4, 5], [1100, 40]
-    T, N = sum(lens), len(lens)
-    q = torch.randn(T, HQ, D, generator=g)
-    k, v = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)
-    _, key_pages = strided_pool(g, (NB, BS, HKV, D))
-    _, value_pages = strided_pool(g, (NB, BS, HKV, D))
-    meta = paged_meta(g, lens, prefixes, [-1] * N, NB, BS)
-    out = interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
-                                             key_pages=key_pages, value_pages=value_pages,
-                                             block_table=meta.block_table, write_slots=meta.write_slots,
-                                             split=True, spans=spans)
-    ref = TorchOps().attention(q, k, v, meta, key_pages.clone(), value_pages.clone())
-    assert rel_err(ref, out) <= 1e-5
-
-
-@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
-@pytest.mark.parametrize("block_m", [8, 64])
-def test_attention_at_other_query_blocks(interp, split, block_m):
-    """`block_m` (benchmarks only): 8 or 64 query tokens a program instead of `query_block`'s 32
-    (2 heads a group), with chunk lists built for it, still matches the reference."""
-    g = torch.Generator().manual_seed(block_m)
-    HQ, HKV, D, BS, NB = 4, 2, 32, 16, 96
-    lens, prefixes = [70, 5], [300, 40]
     T, N = sum(lens), len(lens)
     q = torch.randn(T, HQ, D, generator=g)
     k, v = torch.randn(T, HKV, D, generator=g), torch.randn(T, HKV, D, generator=g)
@@ -419,12 +395,28 @@ def test_attention_at_other_query_blocks(interp, split, block_m):
     _, value_pages = strided_pool(g, (NB, BS, HKV, D))
     meta = paged_meta(g, lens, prefixes, [-1] * N, NB, BS)
     attn = interp.attn
+    if chunk_block is not None:
+        kwargs["chunk_indices"] = attn.prepare_chunk_indices(meta.cu_seqlens, chunk_block)
     out = attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
                                       key_pages=key_pages, value_pages=value_pages, block_table=meta.block_table,
-                                      write_slots=meta.write_slots, split=split, block_m=block_m,
-                                      chunk_indices=attn.prepare_chunk_indices(meta.cu_seqlens, block_m))
-    ref = TorchOps().attention(q, k, v, meta, key_pages.clone(), value_pages.clone())
-    assert rel_err(ref, out) <= 1e-5
+                                      write_slots=meta.write_slots, **kwargs)
+    return rel_err(TorchOps().attention(q, k, v, meta, key_pages.clone(), value_pages.clone()), out)
+
+
+@pytest.mark.parametrize("spans", [1, 3, 16])
+def test_split_attention_at_other_span_counts(interp, spans):
+    """`spans` (benchmarks only): split mode over 1, 3 or 16 prefix spans (16: most of them empty
+    for a 3-tile prefix) still matches the reference."""
+    assert attention_vs_reference(interp, spans, [4, 5], [1100, 40], split=True, spans=spans) <= 1e-5
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+@pytest.mark.parametrize("block_m", [8, 64])
+def test_attention_at_other_query_blocks(interp, split, block_m):
+    """`block_m` (benchmarks only): 8 or 64 query tokens a program instead of `query_block`'s 32
+    (2 heads a group), with chunk lists built for it, still matches the reference."""
+    assert attention_vs_reference(interp, block_m, [70, 5], [300, 40], chunk_block=block_m, split=split,
+                                  block_m=block_m) <= 1e-5
 
 
 def test_attention_configs_keep_a_dot_operand():
