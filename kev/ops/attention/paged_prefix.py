@@ -104,6 +104,15 @@ def _softmax_step(b_q, b_m, b_l, b_acc, b_k, b_v, b_keep, qk_scale, MASKED: tl.c
 
 
 @triton.jit
+def _load_kv(p_k, p_v, m_d, m_v, m_keys, MASKED: tl.constexpr):
+    """A K tile [BD, BN] and a V tile [BN, BV]; MASKED: keys outside `m_keys` [BN] read as 0."""
+    if MASKED:
+        return tl.load(p_k, mask=m_d[:, None] & m_keys[None, :], other=0.0), \
+            tl.load(p_v, mask=m_keys[:, None] & m_v[None, :], other=0.0)
+    return tl.load(p_k, mask=m_d[:, None], other=0.0), tl.load(p_v, mask=m_v[None, :], other=0.0)
+
+
+@triton.jit
 def _prefix_tiles(b_q, b_m, b_l, b_acc, key_pages, value_pages, p_rt, lo, hi, end, i_kvh, o_v, qk_scale,
                   stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
                   D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, MASKED: tl.constexpr):
@@ -123,12 +132,7 @@ def _prefix_tiles(b_q, b_m, b_l, b_acc, key_pages, value_pages, p_rt, lo, hi, en
             + i_kvh * stride_kp_h + o_d[:, None]
         p_v = value_pages + b_page[:, None] * stride_vp_b + (o_p % BS)[:, None] * stride_vp_s \
             + i_kvh * stride_vp_h + o_v[None, :]
-        if MASKED:
-            b_k = tl.load(p_k, mask=m_d[:, None] & m_p[None, :], other=0.0)  # [BD, BN]
-            b_v = tl.load(p_v, mask=m_p[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
-        else:
-            b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
-            b_v = tl.load(p_v, mask=m_v[None, :], other=0.0)
+        b_k, b_v = _load_kv(p_k, p_v, m_d, m_v, m_p, MASKED)
         b_m, b_l, b_acc = _softmax_step(b_q, b_m, b_l, b_acc, b_k, b_v, m_p[None, :], qk_scale, MASKED)
     return b_m, b_l, b_acc
 
@@ -161,12 +165,7 @@ def _own_tiles(b_q, b_m, b_l, b_acc, k, v, bos, L, lo, hi, t_r, i_kvh, o_v, qk_s
         m_j = o_j < L
         p_k = k + (bos + o_j)[None, :] * stride_k_t + i_kvh * stride_k_h + o_d[:, None]
         p_v = v + (bos + o_j)[:, None] * stride_v_t + i_kvh * stride_v_h + o_v[None, :]
-        if MASKED:
-            b_k = tl.load(p_k, mask=m_d[:, None] & m_j[None, :], other=0.0)  # [BD, BN]
-            b_v = tl.load(p_v, mask=m_j[:, None] & m_v[None, :], other=0.0)  # [BN, BV]
-        else:
-            b_k = tl.load(p_k, mask=m_d[:, None], other=0.0)
-            b_v = tl.load(p_v, mask=m_v[None, :], other=0.0)
+        b_k, b_v = _load_kv(p_k, p_v, m_d, m_v, m_j, MASKED)
         b_keep = m_j[None, :] & (o_j[None, :] <= t_r[:, None])
         b_m, b_l, b_acc = _softmax_step(b_q, b_m, b_l, b_acc, b_k, b_v, b_keep, qk_scale, MASKED)
     return b_m, b_l, b_acc
