@@ -12,6 +12,7 @@
 #     KEV_COMMIT=<sha> bash bench/gpu_check.sh                  # tests perf
 #     KEV_COMMIT=<sha> bash bench/gpu_check.sh perf ab          # figures only
 #     KEV_COMMIT=<sha> bash bench/gpu_check.sh floors           # row pass and state pass
+#     KEV_COMMIT=<sha> bash bench/gpu_check.sh "tests single"   # tests, then single_request alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the device output folder}"
@@ -39,12 +40,15 @@ for what in "${@:-tests perf}"; do
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt"
                 step autotune_map 120 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json" ;;
+            single)  # the single-request figures alone (perf without the map)
+                step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
+                    --profile-out "$OUT/single_request_profile.txt" ;;
             ab) step attention_ab 150 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
             floors)
                 step row_pass 150 python3 -m bench.row_pass --out "$OUT/row_pass.json" \
                     --kernels-out "$OUT/row_pass_kernels.json"
                 step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
-            *) echo "unknown step $s (tests, perf, ab, floors)"; exit 2 ;;
+            *) echo "unknown step $s (tests, perf, single, ab, floors)"; exit 2 ;;
         esac
     done
 done

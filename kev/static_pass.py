@@ -16,8 +16,11 @@ Two layouts (`PassKind`):
 - STATE: documents are written to the bank, so none may be padded: pair n is document n
   (tokens [n L, n L + len_n)) followed by its own padding sequence up to (n + 1) L that writes
   nothing; pairs n >= D hold an empty document and a padding sequence. The chunk lists are
-  static supersets (every sequence counted at L tokens); a chunk past a sequence's end is a
-  no-op in every kernel (all its rows masked).
+  filled with the documents (`pair_chunks`): a document's chunks and its padding sequence's
+  together are ceil(L / block) + 1 at most, so each pair gets that many entries, the spare one
+  a chunk past a sequence's end (a no-op in every kernel: all its rows masked). A static
+  superset (every sequence counted at L tokens) had twice the chunks of a one-document bucket,
+  and fla's per-chunk kernels compute a no-op chunk in full: 0.77 ms of a five-long sweep.
 
 Real results are bit-identical between a graph replay and an eager run of the same bucket (same
 kernels, same shapes, same autotune class). Against an eager pass of the unpadded batch, the
@@ -94,27 +97,62 @@ def static_chunks(num_seqs: int, seq_len: int, block: int, device) -> torch.Tens
     return torch.stack([n, t], 1)
 
 
+def pair_chunks(lens: torch.Tensor, seq_len: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The STATE layout's chunk list and chunk offsets for documents of `lens` tokens (host int64
+    [R], 0 for an empty pair) in a bucket of L = `seq_len` tokens a pair: ([R * (nb + 1), 2]
+    (sequence, chunk) pairs, [2R + 1] each sequence's first entry), nb = ceil(L / block).
+
+    Pair n holds entries [n (nb + 1), (n + 1)(nb + 1)): the document's a = ceil(len / block)
+    chunks, its padding sequence's b = ceil((L - len) / block), and, when a + b = nb, one no-op:
+    the document's chunk a (past its end, inside the pair) or, for a document that fills every
+    block (then b = 0), the empty padding sequence's chunk 0. Entry positions equal the offsets
+    plus the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them."""
+    nb = -(-seq_len // block)
+    R, per = lens.shape[0], nb + 1
+    a = (lens[:, None] + block - 1) // block  # [R, 1] document chunks
+    b = (seq_len - lens[:, None] + block - 1) // block  # [R, 1] padding-sequence chunks
+    j = torch.arange(per)[None, :]  # [1, per] entry within the pair
+    doc = 2 * torch.arange(R)[:, None]  # [R, 1] the pair's document sequence
+    in_doc, in_pad = j < a, j < a + b
+    spare_seq, spare_t = torch.where(a < nb, doc, doc + 1), torch.where(a < nb, a, b)
+    seq = torch.where(in_doc, doc, torch.where(in_pad, doc + 1, spare_seq))
+    t = torch.where(in_doc, j, torch.where(in_pad, j - a, spare_t))
+    offsets = torch.empty(2 * R + 1, dtype=torch.int64)
+    offsets[0::2] = torch.arange(R + 1) * per
+    offsets[1::2] = torch.arange(R) * per + a[:, 0]
+    return torch.stack([seq, t], -1).view(R * per, 2), offsets
+
+
 class StaticPass:
     """One bucket's buffers, its `PassMeta`, and the fills from a real pass."""
 
     def __init__(self, key: GraphKey, table_width: int, attn_block: int, device):
         self.key = key
         N, T, L, P = key.num_slots, key.num_tokens, key.seq_len, key.picks
+        self.attn_block = attn_block
+        # The chunk lists: static for ROWS (every row counted at L), filled with the documents for
+        # STATE (`pair_chunks`; the template holds empty pairs).
+        if key.kind is PassKind.ROWS:
+            chunks, offsets = static_chunks(N, L, CHUNK, "cpu"), torch.arange(N + 1) * -(-L // CHUNK)
+            attn_chunks = static_chunks(N, L, attn_block, "cpu")
+        else:
+            empty = torch.zeros(key.seqs, dtype=torch.int64)
+            chunks, offsets = pair_chunks(empty, L, CHUNK)
+            attn_chunks, _ = pair_chunks(empty, L, attn_block)
         # Every int64 index buffer is a view of one block, so a fill is one host-built block and
         # one copy (a new five-long request's fills were ~20 small device ops in front of its graph).
-        self._sizes = (T, T, N + 1, N, N, N, P)
+        self._sizes = (T, T, N + 1, N, N, N, P, chunks.numel(), N + 1, attn_chunks.numel())
         self._template = torch.cat([torch.zeros(2 * T, dtype=torch.int64), torch.arange(N + 1) * L,
-                                    torch.full((2 * N,), -1), torch.zeros(N + P, dtype=torch.int64)])
+                                    torch.full((2 * N,), -1), torch.zeros(N + P, dtype=torch.int64),
+                                    chunks.view(-1), offsets, attn_chunks.view(-1)])
         self._ints = self._template.to(device)
         (self.tokens, self.positions, self.cu_seqlens, self.write_slots, self.read_slots, self.prefix_lens,
-         self.picks) = self._ints.split(self._sizes)
+         self.picks, chunks, self.chunk_offsets, attn_chunks) = self._ints.split(self._sizes)
+        self.chunks, self.attn_chunks = chunks.view(-1, 2), {attn_block: attn_chunks.view(-1, 2)}
         self.block_table = torch.zeros((N, table_width), dtype=torch.int32, device=device)
         self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
                              prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions,
                              shape_class=key.shape_class)  # a STATE bucket's N counts padding sequences
-        self.chunks = static_chunks(N, L, CHUNK, device)
-        self.chunk_offsets = torch.arange(N + 1, dtype=torch.int64, device=device) * -(-L // CHUNK)
-        self.attn_chunks = {attn_block: static_chunks(N, L, attn_block, device)}
 
     def indices(self):
         """The static `PassIndices` to pin into `TritonOps` for `self.meta`."""
@@ -124,7 +162,8 @@ class StaticPass:
 
     def _host_block(self) -> tuple[torch.Tensor, ...]:
         """A fresh host copy of the index block (padding values in place) and its fields' views:
-        tokens, positions, cu_seqlens, write_slots, read_slots, prefix_lens, picks."""
+        tokens, positions, cu_seqlens, write_slots, read_slots, prefix_lens, picks, chunks,
+        chunk_offsets, attention chunks."""
         host = self._template.clone()
         return (host, *host.split(self._sizes))
 
@@ -142,7 +181,7 @@ class StaticPass:
         tokens, cu_seqlens, slots, doc_lens, positions, picks = (
             t.cpu() for t in (tokens, cu_seqlens, slots, doc_lens, positions, picks))
         N, T, P, L = slots.shape[0], tokens.shape[0], picks.shape[0], key.seq_len
-        host, h_tokens, h_positions, _, _, h_read, h_prefix, h_picks = self._host_block()
+        host, h_tokens, h_positions, _, _, h_read, h_prefix, h_picks, *_ = self._host_block()
         row = torch.repeat_interleave(torch.arange(N), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T)
         dst = row * L + (torch.arange(T) - cu_seqlens[row])  # [T] each token's place in the bucket
         h_tokens[dst] = tokens
@@ -161,7 +200,7 @@ class StaticPass:
         assert key.kind is PassKind.STATE
         N, L, R, D = key.num_slots, key.seq_len, key.seqs, len(documents)
         # Host tensor ops, not Python lists: a 2,208-token bucket's list took 0.35 ms of a new request.
-        host, tokens, positions, cu, write, _, _, _ = self._host_block()
+        host, tokens, positions, cu, write, _, _, _, chunks, offsets, attn_chunks = self._host_block()
         lens = torch.zeros(R, dtype=torch.int64)
         for n, doc in enumerate(documents):
             tokens[n * L : n * L + len(doc)] = host_int64(doc)
@@ -172,17 +211,29 @@ class StaticPass:
         starts = torch.arange(R) * L
         cu[1::2], cu[2::2] = starts + lens, starts + L
         write[0 : 2 * D : 2] = host_int64(slots[:D])
+        c, o = pair_chunks(lens, L, CHUNK)
+        chunks.copy_(c.view(-1))
+        offsets.copy_(o)
+        attn_chunks.copy_(pair_chunks(lens, L, self.attn_block)[0].view(-1))
         copy_in(self._ints, host)
         self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
 
 
-def joined_indices(first: StaticPass, then: StaticPass):
-    """The static `PassIndices` of a sweep's `PhasedMeta.joined` (`first`'s sequences, then
-    `then`'s): the two chunk lists back to back, `then`'s sequences and chunks counted after
-    `first`'s. The delta rule's per-chunk steps read it; attention stays phased (no attention chunks)."""
-    from kev.ops.triton_ops import PassIndices
+class JoinedIndices:
+    """The `PassIndices` of a sweep's `PhasedMeta.joined` (`first`'s sequences, then `then`'s):
+    the two chunk lists back to back, `then`'s sequences and chunks counted after `first`'s. The
+    delta rule's per-chunk steps read it; attention stays phased (no attention chunks). Built by
+    device ops from the two buckets' buffers at each pass (`build`), inside the graph when
+    captured: a STATE bucket's lists change with every fill."""
 
-    seq_shift = torch.tensor([first.key.num_slots, 0], dtype=torch.int64, device=first.chunks.device)
-    NT = first.chunks.shape[0]
-    return PassIndices(chunks=torch.cat([first.chunks, then.chunks + seq_shift]),
-                       chunk_offsets=torch.cat([first.chunk_offsets, then.chunk_offsets[1:] + NT]), attn_chunks={})
+    def __init__(self, first: StaticPass, then: StaticPass):
+        self.first, self.then = first, then
+        self.seq_shift = torch.tensor([first.key.num_slots, 0], dtype=torch.int64, device=first.chunks.device)
+
+    def build(self):
+        from kev.ops.triton_ops import PassIndices
+
+        first, then = self.first, self.then
+        NT = first.chunks.shape[0]
+        return PassIndices(chunks=torch.cat([first.chunks, then.chunks + self.seq_shift]),
+                           chunk_offsets=torch.cat([first.chunk_offsets, then.chunk_offsets[1:] + NT]), attn_chunks={})

@@ -21,7 +21,7 @@ from kev.ops.triton_ops import TritonOps
 from kev.passes import parse_row_buckets
 from kev.runner import RowBatch, Runner
 from kev.ops.autotune import ShapeClass
-from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, static_chunks
+from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, pair_chunks, static_chunks
 from random_models import random_model, tiny_config
 from kernel_support import rel_err
 
@@ -102,14 +102,35 @@ def test_static_chunks_agree_with_fla(seqs, seq_len):
     cu = torch.arange(seqs + 1) * seq_len  # the ROWS layout: exact
     assert torch.equal(static_chunks(seqs, seq_len, CHUNK, "cpu"), prepare_chunk_indices(cu, CHUNK))
     assert torch.equal(static_chunks(seqs, seq_len, 16, "cpu"), prepare_chunk_indices(cu, 16))
-    # the STATE layout: real chunks sit where chunk_offsets (every sequence at L) puts them
-    lens = [seq_len if i % 3 == 0 else max(1, seq_len // (i + 1)) for i in range(seqs)]
-    real = prepare_chunk_indices(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), CHUNK)
-    superset = static_chunks(seqs, seq_len, CHUNK, "cpu")
-    per = -(-seq_len // CHUNK)
-    for n, t in real.tolist():
-        assert superset[n * per + t].tolist() == [n, t]
-    assert prepare_chunk_offsets(cu, CHUNK).tolist() == [n * per for n in range(seqs + 1)]
+    assert prepare_chunk_offsets(cu, CHUNK).tolist() == [n * -(-seq_len // CHUNK) for n in range(seqs + 1)]
+
+
+def check_pair_chunks(lens, L, block):
+    """pair_chunks against fla's chunk list of the STATE layout's real cu_seqlens: each real chunk
+    (n, t) at entry offsets[n] + t, every other entry a chunk past its sequence's end and inside
+    the bucket's sequences, nb + 1 entries a pair."""
+    chunks, offsets = pair_chunks(torch.tensor(lens, dtype=torch.int64), L, block)
+    seq_lens = [m for ln in lens for m in (ln, L - ln)]
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    real = prepare_chunk_indices(cu, block).tolist()
+    assert chunks.shape == (len(lens) * (-(-L // block) + 1), 2)
+    seen = set()
+    for n, t in real:
+        assert chunks[offsets[n] + t].tolist() == [n, t], (lens, L, block, n, t)
+        seen.add(int(offsets[n] + t))
+    for i, (n, t) in enumerate(chunks.tolist()):
+        if i not in seen:
+            assert 0 <= n < 2 * len(lens) and t * block >= seq_lens[n], (lens, L, block, i, n, t)
+            assert t * block <= L, "a no-op entry starts past its pair"
+
+
+@pytest.mark.parametrize("L,block", [(64, 64), (130, 64), (48, 16), (2208, 64)], ids=str)
+def test_pair_chunks_hold_every_real_chunk(L, block):
+    """Every document length of one pair (0: an empty pair), then random pairs of a wide bucket."""
+    for ln in range(0, L + 1, 1 if L < 200 else 7):
+        check_pair_chunks([ln], L, block)
+    g = torch.Generator().manual_seed(L)
+    check_pair_chunks(torch.randint(0, L + 1, (6,), generator=g).tolist() + [L, 0], L, block)
 
 
 def test_state_fill_and_host_ints():
@@ -136,6 +157,10 @@ def test_state_fill_and_host_ints():
         assert sp.tokens.tolist() == tokens and sp.positions.tolist() == positions
         assert sp.cu_seqlens.tolist() == cu and sp.write_slots.tolist() == write
         assert torch.equal(sp.block_table[0 : 2 * D : 2], table[slots])
+        lens = torch.tensor([len(docs[n]) if n < D else 0 for n in range(R)])
+        c, o = pair_chunks(lens, L, CHUNK)
+        assert torch.equal(sp.chunks, c) and torch.equal(sp.chunk_offsets, o)
+        assert torch.equal(sp.attn_chunks[16], pair_chunks(lens, L, 16)[0])
     for values in ([], [0], [2**40, -1, 5], list(range(3000))):
         assert torch.equal(host_int64(values), torch.tensor(values, dtype=torch.int64))
 

@@ -4,7 +4,7 @@ The conv, delta-rule and attention kernels (TritonOps, with the static chunk lis
 give bit-identical outputs for the real tokens, and store bit-identical states, when a pass is
 padded into a bucket: rows padded at their end to L over two chunks (ROWS), and documents each
 followed by a padding sequence, with empty sequences and no-op chunks (STATE). The same check at
-the real head dims runs on the GPU (tests/test_graphs_gpu.py). Two cases: the interpreter is slow.
+the real head dims runs on the GPU (tests/test_graphs_gpu.py). Three cases: the interpreter is slow.
 """
 
 import pytest
@@ -29,7 +29,10 @@ def inputs(cfg, T, g):
 @pytest.mark.parametrize("kind,lens,L,cap", [
     (PassKind.ROWS, [65, 100, 3], 128, 4),  # two chunks per row, two padding rows
     (PassKind.STATE, [48, 30], 64, 4),  # two empty documents, padding sequences, no-op chunks
-], ids=["rows", "state"])
+    # a document filling its pair (empty padding sequence), one past a chunk, one short: every kind
+    # of spare entry in the filled chunk lists (kev.static_pass.pair_chunks)
+    (PassKind.STATE, [130, 70, 5], 130, 3),
+], ids=["rows", "state", "state-spare-entries"])
 def test_bucket_padding_is_bit_exact(interp, kind, lens, L, cap):
     cfg = tiny_config(hv_per_h=2)
     g = torch.Generator().manual_seed(1)
@@ -49,7 +52,7 @@ def test_bucket_padding_is_bit_exact(interp, kind, lens, L, cap):
     if kind is PassKind.ROWS:
         read, write, prefix = torch.tensor([3, 0, 6]), torch.full((N,), -1), torch.tensor([300, 5, 1100])
     else:
-        read, write, prefix = torch.full((N,), -1), torch.tensor([1, 4]), torch.zeros(N, dtype=torch.int64)
+        read, write, prefix = torch.full((N,), -1), torch.tensor([1, 4, 6][:N]), torch.zeros(N, dtype=torch.int64)
     meta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=write, prefix_lens=prefix,
                     block_table=table[read.clamp(min=0) if kind is PassKind.ROWS else write])
     ops = interp.triton_ops.TritonOps()

@@ -179,8 +179,8 @@ def _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale
     the block's first query token and L unmasked (every key there exists and is seen by every
     query), then the diagonal tiles masked."""
     hi = tl.minimum((i_t + 1) * BM, L)
-    # min with L: a CUDA-graph bucket's static chunk list holds blocks past a short sequence's end
-    # (its padding sequence's), whose unmasked keys would be read past the tokens (d71f63f's crash).
+    # min with L: unmasked keys past the tokens were d71f63f's crash (blocks past a sequence's end
+    # now read as L = 0 in `_block`; the guard stays for any caller's list).
     full = tl.minimum(i_t * BM, L) // BN * BN
     b_m, b_l, b_acc = _own_tiles(b_q, b_m, b_l, b_acc, k, v, bos, L, 0, full, t_r, i_kvh, o_v, qk_scale,
                                  stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BN, False)
@@ -255,14 +255,18 @@ def _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_
 
 
 @triton.jit
-def _block(chunk_indices, cu_seqlens, prefix_lens, i_ct):
-    """(sequence, query block, first token, length, prefix length) of program row i_ct."""
+def _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM: tl.constexpr):
+    """(sequence, query block, first token, length, prefix length) of program row i_ct. A block
+    past its sequence's end (a CUDA-graph bucket's rows shorter than its L, or a no-op entry of a
+    STATE bucket's list) has no query: it reads as length 0 and prefix 0, so it walks no keys
+    (it stored nothing either way, but walked the whole prefix and the sequence's own keys)."""
     i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
     i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     prefix = tl.load(prefix_lens + i_n).to(tl.int64)
-    return i_n, i_t, bos, L, prefix
+    live = i_t * BM < L
+    return i_n, i_t, bos, tl.where(live, L, 0), tl.where(live, prefix, 0)
 
 
 @triton.jit
@@ -300,7 +304,7 @@ def paged_prefix_attn_fwd_kernel(
     # they ran on alone at the end (a 2,208-token document: 71 key tiles against 35 on average).
     i_ct = tl.num_programs(0) - 1 - tl.program_id(0)
     i_kvh, i_v = tl.program_id(1), tl.program_id(2)
-    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM)
     o_v = i_v * BV + tl.arange(0, BV)  # this program's slice of the value / output features
     b_q, t_r, h_r, m_r = _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D, BD, G, BM, BR)
     b_m, b_l, b_acc = _fresh(BR, BV)
@@ -329,7 +333,7 @@ def paged_prefix_span_kernel(
     BV: tl.constexpr = BD // NV
     i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
     i_v, i_s = tl.program_id(2) // NS, tl.program_id(2) % NS
-    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM)
     lo, hi = _span(prefix, i_s, NS, BN)  # an empty span (lo >= hi) runs no step and stores nothing
     o_v = i_v * BV + tl.arange(0, BV)
     b_q, t_r, h_r, m_r = _load_queries(q, bos, tl.where(lo < hi, L, 0), i_t, i_kvh, stride_q_t, stride_q_h, D, BD,
@@ -359,7 +363,7 @@ def paged_prefix_finish_kernel(
     merged in order, then the own keys, the output and the own K/V as in the one-program kernel."""
     BV: tl.constexpr = BD // NV
     i_ct, i_kvh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM)
     o_v = i_v * BV + tl.arange(0, BV)
     b_q, t_r, h_r, m_r = _load_queries(q, bos, L, i_t, i_kvh, stride_q_t, stride_q_h, D, BD, G, BM, BR)
     b_m, b_l, b_acc = _fresh(BR, BV)
@@ -392,7 +396,7 @@ def paged_store_kernel(
     """Only the K/V store of the attention kernels, per (query block, kv head): for passes whose
     attention output nobody reads (the last layer of a state pass)."""
     i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
-    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct)
+    i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM)
     _store_own_kv(k, v, out_key_pages, out_value_pages, write_table, write_slots, bos, L, i_n, i_t, i_kvh,
                   prefix, tl.arange(0, BD), stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b,
                   stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, D, BS, BM)
