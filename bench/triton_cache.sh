@@ -3,6 +3,9 @@
 # to .triton_carry/ here and carried, it spares the next call its kernel compiles (a cold GPU-test
 # run took 382 s, one after the configs were compiled 263 s). Autotuning runs at every start either way.
 #     rm -rf .triton_carry && mkdir .triton_carry && cp /work/.device/<N>/triton_cache.tgz.part* .triton_carry/
+# A load call's carry (wheels, redis, the cache) must stay under the tool's 64 MiB: the gzip parts of
+# a GPU-test run's cache (~42 MB) are too much beside them; recompressed with xz they are ~18 MB:
+#     cat /work/.device/<N>/triton_cache.tgz.part* | gunzip | xz -T0 -6 > .triton_carry/triton_cache.txz
 
 export TRITON_CACHE_DIR=/tmp/triton_cache KEV_COMPILE_CACHE=empty
 
@@ -10,6 +13,9 @@ triton_cache_restore() {  # fills TRITON_CACHE_DIR from .triton_carry; says whic
     mkdir -p "$TRITON_CACHE_DIR"
     if [ -n "$(ls -A "$TRITON_CACHE_DIR")" ]; then  # a second run in the same call
         KEV_COMPILE_CACHE="this call's earlier run ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
+    elif ls .triton_carry/triton_cache.txz >/dev/null 2>&1 \
+            && tar xJf .triton_carry/triton_cache.txz -C "$TRITON_CACHE_DIR"; then  # recompressed with xz here
+        KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
     elif ls .triton_carry/triton_cache.tgz* >/dev/null 2>&1 \
             && cat .triton_carry/triton_cache.tgz* | tar xz -C "$TRITON_CACHE_DIR"; then  # one file, or its parts
         KEV_COMPILE_CACHE="carried ($(du -sh "$TRITON_CACHE_DIR" | cut -f1))"
