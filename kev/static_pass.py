@@ -31,6 +31,7 @@ other cuBLAS / reduction kernels (measured on the GPU: tests/test_graphs_gpu.py)
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,30 +98,31 @@ def static_chunks(num_seqs: int, seq_len: int, block: int, device) -> torch.Tens
     return torch.stack([n, t], 1)
 
 
-def pair_chunks(lens: torch.Tensor, seq_len: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The STATE layout's chunk list and chunk offsets for documents of `lens` tokens (host int64
-    [R], 0 for an empty pair) in a bucket of L = `seq_len` tokens a pair: ([R * (nb + 1), 2]
-    (sequence, chunk) pairs, [2R + 1] each sequence's first entry), nb = ceil(L / block).
+def pair_chunks(lens: Sequence[int], seq_len: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The STATE layout's chunk list and chunk offsets for documents of `lens` tokens (R ints, 0 for
+    an empty pair) in a bucket of L = `seq_len` tokens a pair: ([R * (nb + 1), 2] (sequence, chunk)
+    pairs, [2R + 1] each sequence's first entry), host int64, nb = ceil(L / block).
 
     Pair n holds entries [n (nb + 1), (n + 1)(nb + 1)): the document's a = ceil(len / block)
     chunks, its padding sequence's b = ceil((L - len) / block), and, when a + b = nb, one no-op:
     the document's chunk a (past its end, inside the pair) or, for a document that fills every
     block (then b = 0), the empty padding sequence's chunk 0. Entry positions equal the offsets
-    plus the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them."""
+    plus the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them. Python ints into an
+    array buffer: it runs on the host in front of every new document's graph, where a dozen small
+    torch ops took ~0.25 ms."""
     nb = -(-seq_len // block)
-    R, per = lens.shape[0], nb + 1
-    a = (lens[:, None] + block - 1) // block  # [R, 1] document chunks
-    b = (seq_len - lens[:, None] + block - 1) // block  # [R, 1] padding-sequence chunks
-    j = torch.arange(per)[None, :]  # [1, per] entry within the pair
-    doc = 2 * torch.arange(R)[:, None]  # [R, 1] the pair's document sequence
-    in_doc, in_pad = j < a, j < a + b
-    spare_seq, spare_t = torch.where(a < nb, doc, doc + 1), torch.where(a < nb, a, b)
-    seq = torch.where(in_doc, doc, torch.where(in_pad, doc + 1, spare_seq))
-    t = torch.where(in_doc, j, torch.where(in_pad, j - a, spare_t))
-    offsets = torch.empty(2 * R + 1, dtype=torch.int64)
-    offsets[0::2] = torch.arange(R + 1) * per
-    offsets[1::2] = torch.arange(R) * per + a[:, 0]
-    return torch.stack([seq, t], -1).view(R * per, 2), offsets
+    per = nb + 1
+    chunks, offsets = array("q"), array("q")
+    for n, ln in enumerate(int(x) for x in lens):
+        a, b = -(-ln // block), -(-(seq_len - ln) // block)
+        doc, pad = 2 * n, 2 * n + 1
+        chunks.extend(v for t in range(a) for v in (doc, t))
+        chunks.extend(v for t in range(b) for v in (pad, t))
+        if a + b < per:
+            chunks.extend((doc, a) if a < nb else (pad, b))
+        offsets.extend((n * per, n * per + a))
+    offsets.append(len(offsets) // 2 * per)
+    return torch.frombuffer(chunks, dtype=torch.int64).view(-1, 2), torch.frombuffer(offsets, dtype=torch.int64)
 
 
 class StaticPass:
@@ -136,7 +138,7 @@ class StaticPass:
             chunks, offsets = static_chunks(N, L, CHUNK, "cpu"), torch.arange(N + 1) * -(-L // CHUNK)
             attn_chunks = static_chunks(N, L, attn_block, "cpu")
         else:
-            empty = torch.zeros(key.seqs, dtype=torch.int64)
+            empty = [0] * key.seqs
             chunks, offsets = pair_chunks(empty, L, CHUNK)
             attn_chunks, _ = pair_chunks(empty, L, attn_block)
         # Every int64 index buffer is a view of one block, so a fill is one host-built block and
@@ -211,10 +213,11 @@ class StaticPass:
         starts = torch.arange(R) * L
         cu[1::2], cu[2::2] = starts + lens, starts + L
         write[0 : 2 * D : 2] = host_int64(slots[:D])
-        c, o = pair_chunks(lens, L, CHUNK)
+        doc_lens = [len(doc) for doc in documents] + [0] * (R - D)
+        c, o = pair_chunks(doc_lens, L, CHUNK)
         chunks.copy_(c.view(-1))
         offsets.copy_(o)
-        attn_chunks.copy_(pair_chunks(lens, L, self.attn_block)[0].view(-1))
+        attn_chunks.copy_(pair_chunks(doc_lens, L, self.attn_block)[0].view(-1))
         copy_in(self._ints, host)
         self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
 
