@@ -3,7 +3,7 @@
 # GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
 # that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
 # keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
-# completes), load_compare.log, gpu_util.csv, and triton_cache.tgz.part*: Triton's compile cache (not
+# completes), load_compare.log, gpu_util.csv, and triton_cache.txz.part*: Triton's compile cache (not
 # its autotune results, except the baseline's) at the end (bench/triton_cache.sh). Carried into the
 # next call, it spares the services their kernel compiles (about a minute of each load call's start-up,
 # mostly the bank's) and the baseline its autotuning. The results record which it was
