@@ -35,7 +35,7 @@ from kev.ops.attention.paged_prefix import query_block
 from kev.ops.triton_ops import TritonOps
 from kev.runner import RowBatch, Runner
 from kev.ops.meta import PhasedMeta
-from kev.static_pass import PICKS_PER_ROW, GraphKey, PassKind, JoinedIndices, StaticPass, SweepKey
+from kev.static_pass import PICKS_PER_ROW, GraphKey, PassKind, StaticPass, SweepKey, joined_indices
 
 
 AnyKey = GraphKey | SweepKey  # a single pass's bucket, or one sweep's
@@ -119,7 +119,6 @@ class _Entry:
     def __init__(self, static: StaticPass, rows: StaticPass | None = None):
         self.static = static  # a SweepKey's: its documents (STATE layout)
         self.rows = rows  # a SweepKey's rows (ROWS layout); None for a single pass
-        self.joined = None if rows is None else JoinedIndices(static, rows)  # the sweep's PhasedMeta.joined
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
@@ -278,7 +277,7 @@ class GraphedPasses:
             return r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
         rows, Td = entry.rows, s.key.num_tokens  # one sweep: the documents' tokens, then the rows'
         meta = PhasedMeta((s.meta, rows.meta), (Td, rows.key.num_tokens))
-        r.ops.pin(meta.joined, entry.joined.build())  # built on the device, in the graph, as its cu_seqlens
+        r.ops.pin(meta.joined, joined_indices(s, rows))  # built on the device, in the graph, as its cu_seqlens
         return r.model(torch.cat([s.tokens, rows.tokens]), meta, r.bank.pools, r.ops, picks=rows.picks + Td,
                        mixer_scope=r.phase_scope)
 

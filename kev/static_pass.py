@@ -222,21 +222,16 @@ class StaticPass:
         self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
 
 
-class JoinedIndices:
-    """The `PassIndices` of a sweep's `PhasedMeta.joined` (`first`'s sequences, then `then`'s):
-    the two chunk lists back to back, `then`'s sequences and chunks counted after `first`'s. The
-    delta rule's per-chunk steps read it; attention stays phased (no attention chunks). Built by
-    device ops from the two buckets' buffers at each pass (`build`), inside the graph when
-    captured: a STATE bucket's lists change with every fill."""
+def joined_indices(first: StaticPass, then: StaticPass):
+    """The `PassIndices` of a sweep's `PhasedMeta.joined` (`first`'s sequences, then `then`'s): the
+    two chunk lists back to back, `then`'s sequences and chunks counted after `first`'s. The delta
+    rule's per-chunk steps read it; attention stays phased (no attention chunks). Device ops on the
+    two buckets' buffers, no host tensor: built at each pass, inside the graph when captured, since
+    a STATE bucket's lists change with every fill."""
+    from kev.ops.triton_ops import PassIndices
 
-    def __init__(self, first: StaticPass, then: StaticPass):
-        self.first, self.then = first, then
-        self.seq_shift = torch.tensor([first.key.num_slots, 0], dtype=torch.int64, device=first.chunks.device)
-
-    def build(self):
-        from kev.ops.triton_ops import PassIndices
-
-        first, then = self.first, self.then
-        NT = first.chunks.shape[0]
-        return PassIndices(chunks=torch.cat([first.chunks, then.chunks + self.seq_shift]),
-                           chunk_offsets=torch.cat([first.chunk_offsets, then.chunk_offsets[1:] + NT]), attn_chunks={})
+    shifted = then.chunks.clone()
+    shifted[:, 0] += first.key.num_slots
+    NT = first.chunks.shape[0]
+    return PassIndices(chunks=torch.cat([first.chunks, shifted]),
+                       chunk_offsets=torch.cat([first.chunk_offsets, then.chunk_offsets[1:] + NT]), attn_chunks={})
