@@ -23,8 +23,8 @@ keeps a service's own setting),
 and the log says where each service's start-up time went (weights, class warm-up, graph captures).
 
 Order: the stack with the kev scorer is started and measured, then the baseline (the stack idles
-beside it), then the gathered scorer is added to the stack and measured: the figures the acceptance
-compares come first when a run is cut short.
+beside it, or is stopped first when no gathered scorer follows), then the gathered scorer is added
+to the stack and measured: the figures the acceptance compares come first when a run is cut short.
 
 Writes `<out-dir>/load_<workload>.json` per workload, rewritten after every run of every system, so a
 run cut short (a `timeout`) leaves what it measured: `missing` lists the systems not (yet) measured
@@ -350,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {format_breakdown(name, startup['stack'][name])}", file=sys.stderr, flush=True)
         measure_all("kev", kev, args.seed)
         if "baseline" in systems:
+            if "gathered" not in systems:
+                # Nothing later needs the stack: the baseline gets the GPU's memory to itself (longdoc's
+                # 8 x 61,472-token forward ran out of it beside an idle 48 GiB bank, cb9932f).
+                stack.stop()
+                startup["stack_stopped_before_baseline"] = True
             start = time.perf_counter()
             print("== baseline: starting", file=sys.stderr, flush=True)
             baseline = start_baseline(checkpoint, args, workdir)

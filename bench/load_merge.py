@@ -47,6 +47,12 @@ def merge(with_baseline: dict, with_gathered: dict) -> dict:
     return out
 
 
+def kev_series(merged: dict) -> list[dict]:
+    """kev's runs to plot: the call that swept more client counts (a baseline call often runs kev
+    at the compared count alone, its gathered call the whole sweep)."""
+    return max(merged["sweep"], merged["gathered_run_kev"]["sweep"], key=len)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.load_merge", description=__doc__.split("\n\n")[0])
     p.add_argument("with_baseline", help="results of a run with kev and the baseline")
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         from bench.load_plots import plot_sweeps
 
-        series = {"kev": merged["sweep"], "gathered": merged["gathered"]["sweep"],
+        series = {"kev": kev_series(merged), "gathered": merged["gathered"]["sweep"],
                   "baseline": merged["baseline"]["sweep"]}
         plot_sweeps(series, args.png, title=f"{merged['workload']} ({merged['gpu']}, merged from two calls)")
     return 0

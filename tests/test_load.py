@@ -466,6 +466,9 @@ def test_two_calls_merge_into_one_results_file(tmp_path):
     assert merged["baseline"]["requests_per_s"] == 3.0 and merged["gathered"]["requests_per_s"] == 25.0
     assert merged["gathered_bit_identical"] == {"identical": True} and merged["gathered_run_kev"]["requests_per_s"] == 26.0
     assert (merged["command"], merged["gathered_command"]) == ("first", "second") and merged["complete"]
+    assert [r["clients"] for r in load_merge.kev_series(merged)] == [1, 64]  # the fuller sweep is plotted
+    merged["gathered_run_kev"]["sweep"] = [run(n, 20.0) for n in (1, 8, 32, 64)]
+    assert [r["clients"] for r in load_merge.kev_series(merged)] == [1, 8, 32, 64]
     with pytest.raises(ValueError, match="commit differs"):
         load_merge.merge(first, {**second, "commit": "other"})
     with pytest.raises(ValueError, match="no complete gathered run"):
