@@ -237,9 +237,10 @@ class Acquirer:
         self._hold_for_space(full)
         if not passes:
             return
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             self.passes.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
+            launched, cpu = time.perf_counter(), time.thread_time() - cpu_start
             self.passes.synchronize()  # the states are on the GPU before any scorer hears of them
         except Exception as e:
             log.exception("state pass failed")
@@ -247,8 +248,10 @@ class Acquirer:
                 self.bank.free(handle)
                 self._fail(job, AcquireFailed(Reason.INTERNAL, f"state pass failed: {e}"))
             return
-        m = self.metrics
-        m.state_pass_seconds.observe(time.perf_counter() - start)
+        m, end = self.metrics, time.perf_counter()
+        m.state_pass_seconds.observe(end - start)
+        for step, seconds in (("launch", launched - start), ("device_wait", end - launched), ("cpu", cpu)):
+            m.state_pass_steps.labels(step=step).inc(seconds)
         m.state_passes.inc()
         m.state_pass_documents.inc(len(passes))
         m.state_pass_tokens.inc(sum(len(j.tokens) for j, _ in passes))

@@ -56,6 +56,7 @@ class BankConfig:
     epoch_check_s: float = 1.0  # how often an idle bank checks that Redis still holds its epoch
     shm_dir: Path = Path("/dev/shm")  # where the CPU bank's shared-memory file lives
     torch_threads: int = 0  # 0 = torch's default
+    switch_interval_ms: float = 0.0  # the GIL's (kev/interpreter.py); 0 = CPython's 5 ms
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
 
     def __post_init__(self) -> None:
@@ -90,6 +91,8 @@ class BankConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_wait_ms < 0 or self.full_wait_ms < 0 or self.epoch_check_s <= 0 or self.grace_s < 0:
             raise ConfigError("--max-wait-ms, --full-wait-ms and --grace-s must be >= 0, --epoch-check-s > 0")
+        if self.switch_interval_ms < 0:
+            raise ConfigError(f"--switch-interval-ms must be >= 0, got {self.switch_interval_ms}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> "BankConfig":
@@ -115,7 +118,8 @@ class BankConfig:
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens", "max_pass_documents",
                      "grpc_workers", "torch_threads"):
             p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
-        for name in ("max_wait_ms", "full_wait_ms", "max_lease_seconds", "epoch_check_s", "grace_s"):
+        for name in ("max_wait_ms", "full_wait_ms", "max_lease_seconds", "epoch_check_s", "grace_s",
+                     "switch_interval_ms"):
             p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)
         p.add_argument("--shm-dir", type=Path, default=d["shm_dir"].default)
         flags = vars(p.parse_args(list(argv)))

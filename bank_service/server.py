@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from kev.bank.shared import SharedBank
 from kev.directory import Directory, DirectoryUnavailable, connect
 from kev.engine import LoadedModel
-from kev.heap import freeze_startup_heap
+from kev.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
 from kev.passes import PassBuilder, PassRole, ServedPasses
 from kev.prompts import Limits
@@ -150,6 +150,7 @@ class BankService:
         cfg, stop = self.config, stop or threading.Event()
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
+        set_switch_interval(cfg.switch_interval_ms)
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="bank-rpc"))
@@ -199,7 +200,7 @@ class BankService:
                 if stop.wait(1.0):
                     return False
         self.metrics.serve(cfg.metrics_port)
-        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/heap.py)
+        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/interpreter.py)
         self.ready.set()
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s as node %s (metrics port %s; %d start-up objects frozen out of GC scans)",

@@ -42,7 +42,7 @@ import grpc
 
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from kev.doc_key import AFFINITY_HEADER
-from kev.heap import freeze_startup_heap
+from kev.interpreter import freeze_startup_heap
 from kev.v1 import scorer_pb2 as pb
 
 SCORE_METHOD = "/kev.v1.Scorer/ScoreQuestions"
@@ -141,7 +141,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
                                             in_window))
 
     threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
-    freeze_startup_heap()  # a full GC of this process would add its pause to every call in flight (kev/heap.py)
+    freeze_startup_heap()  # a full GC of this process would add its pause to every call in flight (kev/interpreter.py)
     for t in threads:
         t.start()
     progress = Progress(label or f"{stream.workload.name} x{clients}", outcomes, lock, window)
@@ -274,7 +274,9 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
     """Over the window: row passes, rows and row tokens per pass, the scorer's hit ratio, the mean
     wall time of a row pass (launch to answers; two may overlap), the share of the window the row
     worker was busy (near 1: the row worker is the bottleneck) and per phase (`row_worker_share`:
-    device_wait near 1 means the GPU is), and row passes by CUDA-graph path."""
+    device_wait near 1 means the GPU is), the launch phase by step (`row_launch_share`: its
+    `cpu` well under the steps' sum means the launches were blocked, on the GIL or in a blocking
+    call), and row passes by CUDA-graph path."""
     if before is None or after is None:
         return {}
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
@@ -283,6 +285,8 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
     misses = delta('kev_scorer_bank_lookups_total{result="miss"}')
     pass_s = delta("kev_scorer_row_pass_seconds_sum")
     phases = {p: delta(f'kev_scorer_row_worker_seconds_total{{phase="{p}"}}') for p in ("launch", "device_wait", "answers")}
+    steps = {s: delta(f'kev_scorer_row_launch_seconds_total{{step="{s}"}}')
+             for s in ("check", "pack", "pass", "head", "cpu")}
     return {
         "row_passes": int(passes),
         "rows_per_pass": delta("kev_scorer_rows_per_pass_sum") / passes if passes else math.nan,
@@ -291,6 +295,7 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
         "row_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
         "row_worker_busy": sum(phases.values()) / window_s if window_s > 0 else math.nan,
         "row_worker_share": {p: s / window_s if window_s > 0 else math.nan for p, s in phases.items()},
+        "row_launch_share": {s: t / window_s if window_s > 0 else math.nan for s, t in steps.items()},
         "row_passes_by_path": {path: int(delta(f'kev_scorer_graph_passes_total{{path="{path}"}}'))
                                for path in ("replay", "eager_bucketed", "unbucketed")},
     }
@@ -298,8 +303,9 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
 
 def bank_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
     """The bank's side of the window: state passes, documents per pass, the mean wall time of a
-    state pass and the share of the window its state-pass worker spent in passes, and the mean
-    Acquire latency of new documents (queueing for a pass included)."""
+    state pass and the share of the window its state-pass worker spent in passes (by step in
+    `state_worker_share`: launch, device_wait, and the launches' cpu), and the mean Acquire latency
+    of new documents (queueing for a pass included)."""
     if before is None or after is None:
         return {}
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
@@ -310,6 +316,8 @@ def bank_figures(before: dict | None, after: dict | None, window_s: float = math
         "documents_per_state_pass": delta("kev_bank_state_pass_documents_total") / passes if passes else math.nan,
         "state_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
         "state_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
+        "state_worker_share": {s: delta(f'kev_bank_state_pass_step_seconds_total{{step="{s}"}}') / window_s
+                               if window_s > 0 else math.nan for s in ("launch", "device_wait", "cpu")},
         "new_document_acquire_ms": (delta('kev_bank_acquire_seconds_sum{cached="false"}') / acquires * 1e3
                                     if acquires else math.nan),
     }

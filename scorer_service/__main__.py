@@ -17,7 +17,7 @@ import time
 from grpc_health.v1 import health, health_pb2
 
 from kev.engine import LoadedModel
-from kev.heap import freeze_startup_heap
+from kev.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
 from kev.passes import PassBuilder, PassRole
 from scorer_service.bank_link import BankLink
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad settings: %s", e)
         return 2
     config.log()
+    set_switch_interval(config.switch_interval_ms)
     start = time.perf_counter()
     loaded = LoadedModel.load(config.checkpoint, config.adapter, device=config.device, limits=config.limits)
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if attach_until_ready(service, stop):
-        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/heap.py)
+        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/interpreter.py)
         health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving (ready after %.1f s; %d start-up objects frozen out of GC scans)",
                  time.perf_counter() - start, frozen)

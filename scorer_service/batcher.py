@@ -177,7 +177,7 @@ class RowBatcher:
 
     def _launch(self, rows: list[_Row]) -> _Launched | None:
         """Checks the rows' handles, packs them and queues their pass and head (no device wait)."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         live = [r for r in rows if not r.job.done.is_set()]
         jobs: dict[Job, list[int]] = {}
         for r in live:
@@ -198,14 +198,21 @@ class RowBatcher:
                     del jobs[job]
             if not jobs:
                 return None
+            checked = time.perf_counter()
             partial = [dataclasses.replace(job.prepared, rows=tuple(job.prepared.rows[i] for i in idx))
                        for job, idx in jobs.items()]
             batch = row_batch_for(partial, [job.lease.handle for job in jobs], current.passes.device)
-            pending = start_answers(self.head, partial, current.passes.row_pass(batch))
+            packed = time.perf_counter()
+            hidden = current.passes.row_pass(batch)
+            passed = time.perf_counter()
+            pending = start_answers(self.head, partial, hidden)
         except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
             self._fail_pass(jobs, e)
             return None
-        self.metrics.row_pass_phase("launch", time.perf_counter() - start)
+        end = time.perf_counter()
+        self.metrics.row_pass_phase("launch", end - start)
+        self.metrics.row_launch_steps({"check": checked - start, "pack": packed - checked, "pass": passed - packed,
+                                       "head": end - passed, "cpu": time.thread_time() - cpu_start})
         return _Launched(jobs, pending, start, int(batch.tokens.numel()))
 
     def _finish(self, launched: _Launched) -> None:

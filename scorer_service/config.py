@@ -67,6 +67,7 @@ class ScorerConfig:
     bank_timeout_s: float = 30.0  # Acquire (a state pass) when the client set no deadline
     max_document_tokens: int = Limits.max_document_tokens  # including <state>; at most the bank's
     max_row_tokens: int = Limits.max_row_tokens  # one question row, every delimiter included
+    switch_interval_ms: float = 0.0  # the GIL's (kev/interpreter.py); 0 = CPython's 5 ms
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -79,6 +80,8 @@ class ScorerConfig:
             raise ConfigError(f"KEV_OPS must be one of {', '.join(OPS_BACKENDS)}, got {self.ops!r}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"KEV_MAX_WAIT_MS must be >= 0, got {self.max_wait_ms}")
+        if self.switch_interval_ms < 0:
+            raise ConfigError(f"--switch-interval-ms must be >= 0, got {self.switch_interval_ms}")
         if self.lease_seconds <= 0 or self.bank_timeout_s <= 0:
             raise ConfigError("KEV_LEASE_SECONDS and --bank-timeout-s must be > 0")
         if not 0 <= self.metrics_port < 65536:

@@ -9,6 +9,10 @@
     kev_scorer_row_worker_seconds_total{phase} counter  the row worker's time by phase: launch (pack the rows,
                                                         replay, queue the head), device_wait (blocked on the GPU
                                                         for a pass's answers), answers (host: answers to jobs)
+    kev_scorer_row_launch_seconds_total{step} counter   the launch phase by step: check (handles), pack (the row
+                                                        batch), pass (fill + replay), head (queued, copy started);
+                                                        step="cpu": the row worker's CPU time in launches (wall
+                                                        minus cpu: blocked, on the GIL or in a blocking call)
     kev_scorer_bank_lookups_total{result}    counter    document handles: hit (state in the bank) / miss
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
@@ -52,6 +56,8 @@ class ScorerMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.worker_seconds = Counter("kev_scorer_row_worker_seconds", "Row worker time by phase", ["phase"],
                                       registry=r)
+        self.launch_seconds = Counter("kev_scorer_row_launch_seconds", "Row pass launch time by step", ["step"],
+                                      registry=r)
         self.bank_lookups = Counter("kev_scorer_bank_lookups", "Document handles by result", ["result"],
                                     registry=r)
         self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",
@@ -80,6 +86,10 @@ class ScorerMetrics:
 
     def row_pass_phase(self, phase: str, seconds: float) -> None:
         self.worker_seconds.labels(phase=phase).inc(seconds)
+
+    def row_launch_steps(self, steps: dict[str, float]) -> None:
+        for step, seconds in steps.items():
+            self.launch_seconds.labels(step=step).inc(seconds)
 
     def watch_graphs(self, stats: Callable[[], object | None]) -> None:
         """Export the process's CUDA-graph counters (`kev.graphs.GraphStats`, read at scrape time;

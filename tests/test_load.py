@@ -89,9 +89,17 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert run["row_passes"] > 0 and 1 <= run["rows_per_pass"] <= 96
     assert run["row_tokens_per_pass"] == pytest.approx(32 * run["rows_per_pass"])
     assert run["row_pass_ms"] > 0 and 0 < run["row_worker_busy"] <= 1.1  # a pass may straddle the window's ends
+    steps = run["row_launch_share"]  # the launch phase by step, and its CPU time
+    assert set(steps) == {"check", "pack", "pass", "head", "cpu"} and min(steps.values()) >= 0
+    launch = sum(v for k, v in steps.items() if k != "cpu")
+    assert launch == pytest.approx(run["row_worker_share"]["launch"], rel=0.02)
+    assert steps["pass"] > 0 and 0 < steps["cpu"] <= launch * 1.02  # one thread's CPU time within its wall time
     assert sum(run["row_passes_by_path"].values()) == 0  # no CUDA graphs on a CPU: the counters are not exported
     assert run["state_passes"] > 0 and 1 <= run["documents_per_state_pass"] <= 8  # 8 clients, a new document each
     assert run["state_pass_ms"] > 0 and 0 < run["state_worker_busy"] <= 1.1
+    bank = run["state_worker_share"]
+    assert bank["launch"] + bank["device_wait"] == pytest.approx(run["state_worker_busy"], rel=0.02)
+    assert bank["launch"] > 0 and 0 < bank["cpu"] <= bank["launch"] * 1.02
     assert run["new_document_acquire_ms"] >= run["state_pass_ms"] * 0.5  # an Acquire waits for its pass
 
 

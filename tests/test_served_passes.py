@@ -124,6 +124,17 @@ def test_scorer_bad_graph_settings(env, match):
         ScorerConfig.from_env({**SCORER_ENV, **env}, [])
 
 
+def test_switch_interval_flag_in_both_services():
+    assert ScorerConfig.from_env(SCORER_ENV, []).switch_interval_ms == 0  # CPython's own
+    assert ScorerConfig.from_env(SCORER_ENV, ["--switch-interval-ms", "0.5"]).switch_interval_ms == 0.5
+    assert BankConfig.from_env(BANK_ENV, []).switch_interval_ms == 0
+    assert BankConfig.from_env(BANK_ENV, ["--switch-interval-ms", "0.25"]).switch_interval_ms == 0.25
+    with pytest.raises(ConfigError, match="--switch-interval-ms must be >= 0"):
+        ScorerConfig.from_env(SCORER_ENV, ["--switch-interval-ms", "-1"])
+    with pytest.raises(BankConfigError, match="--switch-interval-ms must be >= 0"):
+        BankConfig.from_env(BANK_ENV, ["--switch-interval-ms", "-1"])
+
+
 def test_bank_graph_settings_from_env_and_flags():
     default = BankConfig.from_env(BANK_ENV, [])
     assert default.graph_plan == GraphPlan(rows=(), docs=parse_doc_buckets(
