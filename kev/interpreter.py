@@ -11,10 +11,11 @@ start-up into the permanent generation, which collections skip; what requests al
 collected as before. Call it once, when start-up is done and before the process reports SERVING.
 
 One thread feeds the GPU (the scorer's row worker, the bank's state worker) among dozens of
-request threads. Each time it gives the GIL up (a blocking call: a graph replay, a copy, an event
-wait) and wants it back while a request thread runs Python, it waits until that thread drops the
-GIL, at the latest after the switch interval (CPython's default: 5 ms) when it is made to. A
-launch that gives the GIL up a few times can so wait tens of milliseconds with the GPU idle.
+request threads. Every torch op gives the GIL up while it runs; when the feeder wants it back
+while a request thread runs Python, it waits until that thread drops it, at the latest after the
+switch interval (CPython's default: 5 ms) when it is made to. A launch of tens of ops can so wait
+tens of milliseconds with the GPU idle, while some thread wants the GIL all along
+(`bench/gil_convoy.py`: Python spread thinly over many threads costs the feeder nothing).
 `set_switch_interval(ms)` shortens that wait for every thread of the process (`--switch-interval-ms`
 in both services; 0 keeps CPython's default).
 """
