@@ -250,8 +250,9 @@ class Acquirer:
             return
         m, end = self.metrics, time.perf_counter()
         m.state_pass_seconds.observe(end - start)
-        for step, seconds in (("launch", launched - start), ("device_wait", end - launched), ("cpu", cpu)):
-            m.state_pass_steps.labels(step=step).inc(seconds)
+        m.state_pass_steps.labels(step="launch").inc(launched - start)
+        m.state_pass_steps.labels(step="device_wait").inc(end - launched)
+        m.state_pass_cpu_seconds.inc(cpu)
         m.state_passes.inc()
         m.state_pass_documents.inc(len(passes))
         m.state_pass_tokens.inc(sum(len(j.tokens) for j, _ in passes))

@@ -25,9 +25,11 @@ class BankMetrics:
         self.state_pass_documents = Counter("kev_bank_state_pass_documents", "Documents state-passed", registry=r)
         self.state_pass_tokens = Counter("kev_bank_state_pass_tokens", "Document tokens state-passed", registry=r)
         # A state pass's wall time by step: launch (fill + replay queued), device_wait (until the GPU
-        # is done), cpu (the worker's CPU time in the launch; launch minus cpu: blocked, e.g. on the GIL).
+        # is done); and the worker's CPU time in launches (launch minus it: blocked, e.g. on the GIL).
         self.state_pass_steps = Counter("kev_bank_state_pass_step_seconds", "State pass time by step", ["step"],
                                         registry=r)
+        self.state_pass_cpu_seconds = Counter("kev_bank_state_pass_cpu_seconds", "State worker CPU time in launches",
+                                              registry=r)
         self.state_pass_seconds = Histogram(
             "kev_bank_state_pass_seconds", "Wall time of one state pass", registry=r,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))

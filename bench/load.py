@@ -285,8 +285,8 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
     misses = delta('kev_scorer_bank_lookups_total{result="miss"}')
     pass_s = delta("kev_scorer_row_pass_seconds_sum")
     phases = {p: delta(f'kev_scorer_row_worker_seconds_total{{phase="{p}"}}') for p in ("launch", "device_wait", "answers")}
-    steps = {s: delta(f'kev_scorer_row_launch_seconds_total{{step="{s}"}}')
-             for s in ("check", "pack", "pass", "head", "cpu")}
+    steps = {s: delta(f'kev_scorer_row_launch_seconds_total{{step="{s}"}}') for s in ("check", "pack", "pass", "head")}
+    steps["cpu"] = delta("kev_scorer_row_launch_cpu_seconds_total")
     return {
         "row_passes": int(passes),
         "rows_per_pass": delta("kev_scorer_rows_per_pass_sum") / passes if passes else math.nan,
@@ -310,14 +310,15 @@ def bank_figures(before: dict | None, after: dict | None, window_s: float = math
         return {}
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
     passes, pass_s = delta("kev_bank_state_passes_total"), delta("kev_bank_state_pass_seconds_sum")
+    steps = {s: delta(f'kev_bank_state_pass_step_seconds_total{{step="{s}"}}') for s in ("launch", "device_wait")}
+    steps["cpu"] = delta("kev_bank_state_pass_cpu_seconds_total")
     acquires = delta('kev_bank_acquire_seconds_count{cached="false"}')
     return {
         "state_passes": int(passes),
         "documents_per_state_pass": delta("kev_bank_state_pass_documents_total") / passes if passes else math.nan,
         "state_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
         "state_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
-        "state_worker_share": {s: delta(f'kev_bank_state_pass_step_seconds_total{{step="{s}"}}') / window_s
-                               if window_s > 0 else math.nan for s in ("launch", "device_wait", "cpu")},
+        "state_worker_share": {s: t / window_s if window_s > 0 else math.nan for s, t in steps.items()},
         "new_document_acquire_ms": (delta('kev_bank_acquire_seconds_sum{cached="false"}') / acquires * 1e3
                                     if acquires else math.nan),
     }

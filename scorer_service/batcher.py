@@ -211,8 +211,8 @@ class RowBatcher:
             return None
         end = time.perf_counter()
         self.metrics.row_pass_phase("launch", end - start)
-        self.metrics.row_launch_steps({"check": checked - start, "pack": packed - checked, "pass": passed - packed,
-                                       "head": end - passed, "cpu": time.thread_time() - cpu_start})
+        self.metrics.row_launch({"check": checked - start, "pack": packed - checked, "pass": passed - packed,
+                                 "head": end - passed}, time.thread_time() - cpu_start)
         return _Launched(jobs, pending, start, int(batch.tokens.numel()))
 
     def _finish(self, launched: _Launched) -> None:

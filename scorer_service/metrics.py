@@ -10,9 +10,9 @@
                                                         replay, queue the head), device_wait (blocked on the GPU
                                                         for a pass's answers), answers (host: answers to jobs)
     kev_scorer_row_launch_seconds_total{step} counter   the launch phase by step: check (handles), pack (the row
-                                                        batch), pass (fill + replay), head (queued, copy started);
-                                                        step="cpu": the row worker's CPU time in launches (wall
-                                                        minus cpu: blocked, on the GIL or in a blocking call)
+                                                        batch), pass (fill + replay), head (queued, copy started)
+    kev_scorer_row_launch_cpu_seconds_total  counter    the row worker's CPU time in launches (launch minus
+                                                        this: blocked, on the GIL or in a blocking call)
     kev_scorer_bank_lookups_total{result}    counter    document handles: hit (state in the bank) / miss
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
@@ -58,6 +58,8 @@ class ScorerMetrics:
                                       registry=r)
         self.launch_seconds = Counter("kev_scorer_row_launch_seconds", "Row pass launch time by step", ["step"],
                                       registry=r)
+        self.launch_cpu_seconds = Counter("kev_scorer_row_launch_cpu_seconds", "Row worker CPU time in launches",
+                                          registry=r)
         self.bank_lookups = Counter("kev_scorer_bank_lookups", "Document handles by result", ["result"],
                                     registry=r)
         self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",
@@ -87,9 +89,10 @@ class ScorerMetrics:
     def row_pass_phase(self, phase: str, seconds: float) -> None:
         self.worker_seconds.labels(phase=phase).inc(seconds)
 
-    def row_launch_steps(self, steps: dict[str, float]) -> None:
+    def row_launch(self, steps: dict[str, float], cpu_seconds: float) -> None:
         for step, seconds in steps.items():
             self.launch_seconds.labels(step=step).inc(seconds)
+        self.launch_cpu_seconds.inc(cpu_seconds)
 
     def watch_graphs(self, stats: Callable[[], object | None]) -> None:
         """Export the process's CUDA-graph counters (`kev.graphs.GraphStats`, read at scrape time;

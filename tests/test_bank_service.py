@@ -456,7 +456,8 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
     directory = SimpleNamespace(model_id="m", epoch=lambda: "e", register=register)
     counter = SimpleNamespace(inc=lambda n=1: None, observe=lambda s: None)
     metrics = SimpleNamespace(state_pass_seconds=counter, state_passes=counter, state_pass_documents=counter,
-                              state_pass_tokens=counter, state_pass_steps=SimpleNamespace(labels=lambda step: counter))
+                              state_pass_tokens=counter, state_pass_steps=SimpleNamespace(labels=lambda step: counter),
+                              state_pass_cpu_seconds=counter)
     acq = Acquirer(passes, bank, directory, metrics, lease_s=30, max_wait_s=0.0, max_pass_tokens=16384,
                    max_pass_documents=64, epoch_check_s=1)
     acq._epoch = "e"
