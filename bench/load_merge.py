@@ -36,6 +36,9 @@ def merge(with_baseline: dict, with_gathered: dict) -> dict:
     out = copy.deepcopy(with_baseline)
     out["gathered"] = copy.deepcopy(with_gathered["gathered"])
     out["gathered_bit_identical"] = copy.deepcopy(with_gathered.get("gathered_bit_identical"))
+    for system in ("baseline", "gathered"):  # files written before the objects carried these themselves
+        out[system].setdefault("commit", out["commit"])
+        out[system].setdefault("gpu", out["gpu"])
     out["gathered_run_kev"] = {**{k: with_gathered.get(k) for k in HEADLINE}, "sweep": with_gathered["sweep"]}
     out["missing"], out["complete"] = [], True
     out["startup"] = {"baseline_run": with_baseline.get("startup"), "gathered_run": with_gathered.get("startup")}

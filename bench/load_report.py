@@ -93,7 +93,9 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
     out["sweep"] = kev["runs"] if kev else []
     for system in ("gathered", "baseline"):
         if system in have:
-            out[system] = {**headline(have[system]["runs"], args.clients), "sweep": have[system]["runs"],
+            # each system's object stands on its own: the same commit and GPU as the headline's run
+            out[system] = {"commit": env["commit"], "gpu": env["gpu"], **headline(have[system]["runs"], args.clients),
+                           "sweep": have[system]["runs"],
                            **({} if system in done else {"partial": True})}
         elif system in systems:
             out[system] = {"missing": "not measured: the run stopped before it (see `missing`)"}

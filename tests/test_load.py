@@ -437,6 +437,7 @@ def test_speedup_compares_runs_at_the_same_client_count():
                             "gpu_sharing")}
     out = report("five-long", results, ["kev", "baseline"], {}, args, env, Path("ckpt"), {})
     assert out["clients"] == 64 and out["baseline"]["clients"] == 8 and out["baseline"]["partial"]
+    assert (out["baseline"]["commit"], out["baseline"]["gpu"]) == (env["commit"], env["gpu"])
     assert "speedup_vs_baseline" not in out
     assert out["speedup_by_clients"] == pytest.approx({"1": 15.6 / 2.3, "8": 26.4 / 2.6})
     results["baseline"]["five-long"]["runs"].append({"clients": 64, "requests_per_s": 2.76})
@@ -472,6 +473,8 @@ def test_two_calls_merge_into_one_results_file(tmp_path):
     merged = json.loads(out.read_text())
     assert merged["requests_per_s"] == 27.0 and merged["speedup_vs_baseline"] == 9.0
     assert merged["baseline"]["requests_per_s"] == 3.0 and merged["gathered"]["requests_per_s"] == 25.0
+    for system in ("baseline", "gathered"):  # filled in from the files' common commit and GPU
+        assert (merged[system]["commit"], merged[system]["gpu"]) == ("abc1234", "H200")
     assert merged["gathered_bit_identical"] == {"identical": True} and merged["gathered_run_kev"]["requests_per_s"] == 26.0
     assert (merged["command"], merged["gathered_command"]) == ("first", "second") and merged["complete"]
     assert [r["clients"] for r in load_merge.kev_series(merged)] == [1, 64]  # the fuller sweep is plotted
