@@ -435,6 +435,7 @@ def test_speedup_compares_runs_at_the_same_client_count():
     args = SimpleNamespace(device="cuda", scale=1.0, clients=64)
     env = {k: "x" for k in ("commit", "gpu", "packages", "python", "host", "command", "triton_compile_cache",
                             "gpu_sharing")}
+    env.update(commit="abc1234", gpu="H200")  # distinct, so that a swapped pair would show
     out = report("five-long", results, ["kev", "baseline"], {}, args, env, Path("ckpt"), {})
     assert out["clients"] == 64 and out["baseline"]["clients"] == 8 and out["baseline"]["partial"]
     assert (out["baseline"]["commit"], out["baseline"]["gpu"]) == (env["commit"], env["gpu"])
