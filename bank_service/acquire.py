@@ -12,7 +12,7 @@
     as the requests holding the pins finish), runs ONE state pass for the batch,
     waits for the GPU to finish it (a scorer reads the states from its own process), then
     registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
-    Idle (nothing queued), it captures one queued CUDA graph at a time (kev/passes.py; CUDA only).
+    Idle (nothing queued), it captures one queued CUDA graph at a time (kev/exec/passes.py; CUDA only).
 
 One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
 recovery after a Redis restart), so no two of those interleave. `live` (doc_key -> handle) is
@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kev.bank.bank import Bank, BankFull, BankHandle
-from kev.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
-from kev.doc_key import document_key
-from kev.passes import ServedPasses
+from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
+from kev.bank.doc_key import document_key
+from kev.exec.passes import ServedPasses
 
 from bank_service.jobs import Acquired, AcquireFailed, Job, LiveEntry, Reason, Waiter
 from bank_service.metrics import BankMetrics

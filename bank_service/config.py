@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets, parse_warm_classes
+from kev.exec.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets, parse_warm_classes
 
 
 class ConfigError(ValueError):
@@ -56,7 +56,7 @@ class BankConfig:
     epoch_check_s: float = 1.0  # how often an idle bank checks that Redis still holds its epoch
     shm_dir: Path = Path("/dev/shm")  # where the CPU bank's shared-memory file lives
     torch_threads: int = 0  # 0 = torch's default
-    switch_interval_ms: float = 0.0  # the GIL's (kev/interpreter.py); 0 = CPython's 5 ms
+    switch_interval_ms: float = 0.0  # the GIL's (kev/serving/interpreter.py); 0 = CPython's 5 ms
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kev.bank.bank import BankHandle
-from kev.directory import Lease
+from kev.bank.directory import Lease
 
 
 class Reason(enum.Enum):

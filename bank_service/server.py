@@ -22,12 +22,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kev.bank.shared import SharedBank
-from kev.directory import Directory, DirectoryUnavailable, connect
+from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.engine import LoadedModel
-from kev.interpreter import freeze_startup_heap, set_switch_interval
+from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
-from kev.passes import PassBuilder, PassRole, ServedPasses
-from kev.prompts import Limits
+from kev.exec.passes import PassBuilder, PassRole, ServedPasses
+from kev.request.prompts import Limits
 from kev.v1 import bank_pb2 as pb
 from kev.v1 import bank_pb2_grpc
 
@@ -177,7 +177,7 @@ class BankService:
             shm_dir=cfg.shm_dir)
         bank = self.shared.bank
         ops = get_ops(cfg.ops_backend)
-        # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/passes.py); on CPU a Runner.
+        # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/exec/passes.py); on CPU a Runner.
         passes = PassBuilder(loaded.model, ops, PassRole.STATES, cfg.graph_plan).build(bank)
         self._warm_up(passes, bank)
         st = bank.stats()
@@ -200,7 +200,7 @@ class BankService:
                 if stop.wait(1.0):
                     return False
         self.metrics.serve(cfg.metrics_port)
-        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/interpreter.py)
+        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
         self.ready.set()
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s as node %s (metrics port %s; %d start-up objects frozen out of GC scans)",

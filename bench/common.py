@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from kev.config import ModelConfig
-from kev.model import Qwen35Model
+from kev.model.config import ModelConfig
+from kev.model.qwen35 import Qwen35Model
 
 # Published Qwen3.5-4B text shapes (DESIGN §2).
 KEV_4B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, intermediate_size=9216,

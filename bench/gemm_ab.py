@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import kev4b_config, run_info, write_json
-from kev.config import LayerType
+from kev.model.config import LayerType
 from kev.ops.autotune import graph_bench
 
 

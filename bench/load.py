@@ -41,8 +41,8 @@ from pathlib import Path
 import grpc
 
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
-from kev.doc_key import AFFINITY_HEADER
-from kev.interpreter import freeze_startup_heap
+from kev.bank.doc_key import AFFINITY_HEADER
+from kev.serving.interpreter import freeze_startup_heap
 from kev.v1 import scorer_pb2 as pb
 
 SCORE_METHOD = "/kev.v1.Scorer/ScoreQuestions"
@@ -141,7 +141,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
                                             in_window))
 
     threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
-    freeze_startup_heap()  # a full GC of this process would add its pause to every call in flight (kev/interpreter.py)
+    freeze_startup_heap()  # a full GC of this process would add its pause to every call in flight (kev/serving/interpreter.py)
     for t in threads:
         t.start()
     progress = Progress(label or f"{stream.workload.name} x{clients}", outcomes, lock, window)

@@ -1,8 +1,8 @@
 """The naive baseline of issue 7's side-by-side load test: transformers, no state reuse at all.
 
 What users would otherwise run: transformers' `Qwen3_5TextModel` (fla's kernels on GPU, its torch
-reference paths on CPU) with the project's weights, prompts (`kev.prompts`) and pointer head
-(`kev.head`), served on the same `kev.v1.Scorer` gRPC API so the same load generator drives it.
+reference paths on CPU) with the project's weights, prompts (`kev.request.prompts`) and pointer head
+(`kev.request.head`), served on the same `kev.v1.Scorer` gRPC API so the same load generator drives it.
 One batching thread takes whatever requests are waiting (up to `--max-requests`, 64) and runs
 EVERY question row as a full sequence, document + row, in ONE right-padded forward: a six-short
 request re-reads its 48 document tokens six times, a five-long one its 2,200 tokens five times.
@@ -49,12 +49,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from tokenizers import Tokenizer
 
-from kev import api, wire
-from kev.checkpoint import load_checkpoint
+from kev.request import api
+from kev.rpc import wire
+from kev.model.checkpoint import load_checkpoint
 from kev.engine import answer_rows
-from kev.errors import InvalidRequest
-from kev.head import load_head
-from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
+from kev.request.errors import InvalidRequest
+from kev.request.head import load_head
+from kev.request.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
 from kev.v1 import scorer_pb2 as pb
 from scorer_service.server import SERVICE, scorer_rpc_handler
 
@@ -130,7 +131,7 @@ class BaselineScorer:
         self.device = torch.device(device)
         dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         ckpt = load_checkpoint(checkpoint, dtype=dtype, device=device, require_head=True, require_tokenizer=True)
-        # The project's checkpoint names are transformers' Qwen3_5TextModel names (kev.checkpoint maps
+        # The project's checkpoint names are transformers' Qwen3_5TextModel names (kev.model.checkpoint maps
         # both nestings onto them), and its flat config is a Qwen3_5TextConfig.
         text = ckpt.config.to_text_dict()
         hf_config = Qwen3_5TextConfig(**{k: v for k, v in text.items() if k != "model_type"})

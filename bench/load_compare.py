@@ -212,7 +212,7 @@ def sweep_of(system: str, args) -> list[int]:
 
 def apply_startup_defaults(args, workloads: list[str]) -> None:
     """`auto` start-up settings from the workloads (bench/load_startup.py)."""
-    from kev.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS, parse_warm_classes
+    from kev.exec.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS, parse_warm_classes
 
     used = [WORKLOADS[w].scaled(args.scale) for w in workloads]
     if args.graph_rows == "auto":

@@ -1,6 +1,6 @@
 """What bench/load_compare.py asks its services to prepare at start-up, and where start-up time went.
 
-The services capture CUDA graphs before they serve (kev/passes.py); their defaults cover any load.
+The services capture CUDA graphs before they serve (kev/exec/passes.py); their defaults cover any load.
 A benchmark knows its workloads, so it captures only what they use:
 
 - scorers (`KEV_GRAPH_ROWS`): every row-count bucket up to the scorer's rows per pass, at the row
@@ -28,7 +28,7 @@ SCORER_MAX_ROWS_PER_PASS = 96  # scorer_service default (KEV_MAX_ROWS_PER_PASS)
 BANK_MAX_PASS_DOCUMENTS = 64  # bank_service default (--max-pass-documents)
 SCORER_MAX_GRAPHS = 32  # scorer_service default (KEV_MAX_GRAPHS)
 BANK_MAX_PASS_TOKENS = 16384  # bank_service default (--max-pass-tokens)
-STATE_CHUNK_TOKENS = 8192  # the bank's state-pass chunk (kev.passes.PassBuilder's default)
+STATE_CHUNK_TOKENS = 8192  # the bank's state-pass chunk (kev.exec.passes.PassBuilder's default)
 
 
 def _bucket(value: int, sizes: tuple[int, ...]) -> int | None:
@@ -56,7 +56,7 @@ def row_plan(workloads: list[Workload], max_rows_per_pass: int = SCORER_MAX_ROWS
     length's buckets come first, all of them: a pass pads to its longest row, so they serve every
     workload's passes; shorter lengths' follow, fewest rows first, while there is room (mixed and
     longdoc in one run: 20 at 64 tokens, then 12 of longdoc's 32)."""
-    from kev.graphs import Buckets
+    from kev.exec.graphs import Buckets
 
     b = Buckets()
     top = _bucket(max_rows_per_pass, b.rows) or b.rows[-1]
@@ -67,7 +67,7 @@ def row_plan(workloads: list[Workload], max_rows_per_pass: int = SCORER_MAX_ROWS
 def doc_plan(workloads: list[Workload], max_pass_documents: int = BANK_MAX_PASS_DOCUMENTS, limit: int = 24) -> str:
     """KEV_GRAPH_DOCS for these workloads: 'DxL,...', at most `limit` buckets (taken in turn from
     each length, fewest documents first, when there are more)."""
-    from kev.graphs import Buckets
+    from kev.exec.graphs import Buckets
 
     b = Buckets()
     lengths = sorted({L for w in workloads for n in _doc_lengths(w) if (L := _bucket(n, b.doc_tokens)) is not None})
@@ -92,9 +92,9 @@ def warm_plan(workloads: list[Workload], graph_rows: str = "none", graph_docs: s
       `STATE_CHUNK_TOKENS` chunk at a time, k of its length together while they fit
       `BANK_MAX_PASS_TOKENS`: classify(k, k x chunk) (longdoc's 16,384 / 61,440: 1 x 8,192, docs_few).
     A class missed here is tuned at its first pass: slower, never wrong."""
-    from kev.graphs import Buckets
+    from kev.exec.graphs import Buckets
     from kev.ops.autotune import ShapeClass, classify
-    from kev.passes import parse_doc_buckets, parse_row_buckets
+    from kev.exec.passes import parse_doc_buckets, parse_row_buckets
 
     b = Buckets()
     rows = {ShapeClass.ROWS_FEW}

@@ -29,10 +29,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from kev import api, wire
-from kev.checkpoint import find_side_files
-from kev.doc_key import document_key
-from kev.prompts import Delimiters, Limits, PromptBuilder
+from kev.request import api
+from kev.rpc import wire
+from kev.model.checkpoint import find_side_files
+from kev.bank.doc_key import document_key
+from kev.request.prompts import Delimiters, Limits, PromptBuilder
 
 MAX_FIT_STEPS = 32  # measure-and-adjust rounds before giving up on an exact length
 REPEAT_POOL = 1024  # documents a repeat may draw from (the most recent)

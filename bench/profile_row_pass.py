@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import kev4b_config, random_model
 from kev.bank.bank import Bank
 from kev.ops.triton_ops import TritonOps
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 
 
 def main():

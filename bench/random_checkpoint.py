@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import KEV_4B, random_model
-from kev.config import ModelConfig
-from kev.head import DecisionHead, save_head
+from kev.model.config import ModelConfig
+from kev.request.head import DecisionHead, save_head
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "kev" / "demo_model" / "tokenizer.json"
 HEAD_DIM = 256

@@ -26,7 +26,7 @@ from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops
 from kev.bank.bank import Bank
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.triton_ops import TritonOps
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 
 
 DEVICE = "cuda"

@@ -23,7 +23,7 @@ from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops
 from kev.bank.bank import Bank
 from kev.ops.gathered_ops import GatheredOps
 from kev.ops.triton_ops import TritonOps
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 
 
 def gather_only(ops: GatheredOps, meta, pools) -> None:

@@ -31,12 +31,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
-from kev.graphs import CapturePolicy, GraphedPasses
+from kev.exec.graphs import CapturePolicy, GraphedPasses
 from kev.ops.autotune import ShapeClass, serving_tuner
-from kev.ops.warm_up import warm_up
+from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
-from kev.runner import RowBatch, Runner
-from kev.static_pass import SweepKey
+from kev.exec.runner import RowBatch, Runner
+from kev.exec.static_pass import SweepKey
 
 WORKLOADS = {"six-short": (48, 6, 32), "five-long": (2200, 5, 32)}  # doc tokens, rows, row tokens
 

@@ -28,9 +28,9 @@ import torch
 from bench.common import cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
 from kev.ops.autotune import ShapeClass, classify, serving_tuner
-from kev.ops.warm_up import warm_up
+from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
-from kev.runner import PEAK_SLACK, Runner
+from kev.exec.runner import PEAK_SLACK, Runner
 
 DEVICE = "cuda"
 BLOCK = 64
@@ -144,7 +144,7 @@ def main():
         "long_doc_tokens_per_s": args.long_doc_tokens / long_ms * 1e3,
         "allocated_bytes_weights_and_bank": before,
         "bound": f"Runner.state_pass_peak_bytes: {PEAK_SLACK} x the itemised activations of one "
-                 f"{args.chunk_tokens}-token chunk (kev.runner.state_pass_peak_bytes), whatever the document length"})
+                 f"{args.chunk_tokens}-token chunk (kev.exec.runner.state_pass_peak_bytes), whatever the document length"})
     write_json(args.out, result)
 
 

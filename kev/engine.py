@@ -18,17 +18,17 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from kev.api import ScoreRequest, ScoreResponse, Usage
+from kev.request.api import ScoreRequest, ScoreResponse, Usage
 from kev.bank.bank import Bank, BankFull, BankHandle
-from kev.checkpoint import load_checkpoint
-from kev.doc_key import document_key
-from kev.head import DecisionHead, answers, load_head
-from kev.model import Qwen35Model
+from kev.model.checkpoint import load_checkpoint
+from kev.bank.doc_key import document_key
+from kev.request.head import DecisionHead, answers, load_head
+from kev.model.qwen35 import Qwen35Model
 from kev.ops import Ops, get_ops
-from kev.passes import GraphPlan, PassBuilder, PassRole
-from kev.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
-from kev.runner import RowBatch
-from kev.transfer import to_device, to_host_later
+from kev.exec.passes import GraphPlan, PassBuilder, PassRole
+from kev.request.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
+from kev.exec.runner import RowBatch
+from kev.exec.transfer import to_device, to_host_later
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidde
 class Engine:
     """A model, its own bank and an LRU of document states, scoring requests in process.
     With TritonOps on CUDA the passes are class-tuned and graphed as in the services
-    (kev.passes; built here, so construction warms up and captures `plan`'s buckets)."""
+    (kev.exec.passes; built here, so construction warms up and captures `plan`'s buckets)."""
 
     def __init__(self, loaded: LoadedModel, bank: Bank, ops: Ops | None = None, plan: GraphPlan = GraphPlan()):
         self.loaded = loaded

@@ -17,9 +17,9 @@ import time
 from grpc_health.v1 import health, health_pb2
 
 from kev.engine import LoadedModel
-from kev.interpreter import freeze_startup_heap, set_switch_interval
+from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
-from kev.passes import PassBuilder, PassRole
+from kev.exec.passes import PassBuilder, PassRole
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
              config.ops_backend)
     metrics = ScorerMetrics()
-    # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/passes.py).
+    # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/exec/passes.py).
     ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)
     builder = PassBuilder(loaded.model, ops, PassRole.ROWS, config.graph_plan)
     metrics.watch_graphs(lambda: builder.graph_stats)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if attach_until_ready(service, stop):
-        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/interpreter.py)
+        frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
         health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving (ready after %.1f s; %d start-up objects frozen out of GC scans)",
                  time.perf_counter() - start, frozen)

@@ -17,7 +17,7 @@ instance (the bank restarted) is re-attached, and the handle is dropped (`StaleA
 request retries once). Right before each row pass the batcher also checks every handle against
 the mapped slot generations (`AttachedBank.check`).
 
-Passes. Each attachment has its own passes (`kev.passes.PassBuilder.build`): on CUDA, graphs
+Passes. Each attachment has its own passes (`kev.exec.passes.PassBuilder.build`): on CUDA, graphs
 hold the mapped memory's addresses, so a new bank instance gets new graphs. The process's tuner
 and its warm-up are kept; the first attachment (start-up, before SERVING) captures the start-up
 buckets, a re-attachment only queues them for the row worker's idle time.
@@ -34,11 +34,11 @@ import grpc
 import numpy as np
 
 from kev.bank.bank import BankHandle
-from kev.directory import Directory, DirectoryUnavailable, connect
-from kev.doc_key import document_key
+from kev.bank.directory import Directory, DirectoryUnavailable, connect
+from kev.bank.doc_key import document_key
 from kev.engine import LoadedModel
-from kev.errors import InvalidRequest
-from kev.passes import PassBuilder, ServedPasses
+from kev.request.errors import InvalidRequest
+from kev.exec.passes import PassBuilder, ServedPasses
 from kev.v1 import bank_pb2, bank_pb2_grpc
 from scorer_service.config import ScorerConfig
 from scorer_service.errors import DeadlineExceeded, Exhausted, ServiceError, StaleAttachment, Unavailable

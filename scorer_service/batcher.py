@@ -5,7 +5,7 @@ rows; a request that does not fit gets `Exhausted`, except that an empty queue t
 so there is no limit on questions per request); ONE worker thread takes rows in arrival order
 until a pass holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row is
 always taken) or the oldest row has waited `max_wait_ms`, then hands the pass to the engine's
-shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/passes.py) -> `start_answers`.
+shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/exec/passes.py) -> `start_answers`.
 When the queue is empty and a CUDA graph waits to be captured, the worker captures one, then looks
 at the queue again: a capture never delays a row that was already waiting.
 
@@ -32,8 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kev.engine import PendingAnswers, row_batch_for, start_answers
-from kev.head import DecisionHead
-from kev.prompts import PreparedRequest
+from kev.request.head import DecisionHead
+from kev.request.prompts import PreparedRequest
 from scorer_service.bank_link import BankLink, DocLease
 from scorer_service.errors import Exhausted, ServiceError, StaleAttachment
 from scorer_service.metrics import ScorerMetrics

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets, parse_warm_classes
-from kev.prompts import Limits
+from kev.exec.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets, parse_warm_classes
+from kev.request.prompts import Limits
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ScorerConfig:
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting for a row pass
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
     lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
-    # CUDA only (kev/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
+    # CUDA only (kev/exec/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
     graph_rows: str = _env("KEV_GRAPH_ROWS", DEFAULT_ROW_BUCKETS)
     max_graphs: int = _env("KEV_MAX_GRAPHS", 32)  # CUDA graphs kept (LRU); 0: none
     warm_classes: str = _env("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up: all, none or a list
@@ -67,7 +67,7 @@ class ScorerConfig:
     bank_timeout_s: float = 30.0  # Acquire (a state pass) when the client set no deadline
     max_document_tokens: int = Limits.max_document_tokens  # including <state>; at most the bank's
     max_row_tokens: int = Limits.max_row_tokens  # one question row, every delimiter included
-    switch_interval_ms: float = 0.0  # the GIL's (kev/interpreter.py); 0 = CPython's 5 ms
+    switch_interval_ms: float = 0.0  # the GIL's (kev/serving/interpreter.py); 0 = CPython's 5 ms
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

@@ -1,6 +1,6 @@
 """Failures of the scorer that are not the client's fault, each with its gRPC status code.
 
-(Bad input is `kev.errors.InvalidRequest`, answered INVALID_ARGUMENT; see server.py.)
+(Bad input is `kev.request.errors.InvalidRequest`, answered INVALID_ARGUMENT; see server.py.)
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class ScorerMetrics:
         self.launch_cpu_seconds.inc(cpu_seconds)
 
     def watch_graphs(self, stats: Callable[[], object | None]) -> None:
-        """Export the process's CUDA-graph counters (`kev.graphs.GraphStats`, read at scrape time;
+        """Export the process's CUDA-graph counters (`kev.exec.graphs.GraphStats`, read at scrape time;
         None on CPU: nothing exported). The passes count them; nothing here touches a pass."""
         self.registry.register(_GraphCollector(stats))
 

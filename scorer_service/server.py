@@ -1,12 +1,12 @@
 """The public `kev.v1.Scorer` gRPC service: request handling and the status mapping.
 
-One request: parse (raw bytes, see kev/wire.py) -> validate + render (`validate_and_build`) ->
+One request: parse (raw bytes, see kev/rpc/wire.py) -> validate + render (`validate_and_build`) ->
 a pinned document handle (bank_link.py) -> rows into the batcher -> wait (renewing the lease,
 watching the deadline and the client) -> answers. The pin is released on every way out:
 success, error, deadline, client cancellation.
 
 Status mapping:
-    INVALID_ARGUMENT    kev.errors.InvalidRequest: the message starts with the field path, which is
+    INVALID_ARGUMENT    kev.request.errors.InvalidRequest: the message starts with the field path, which is
                         also sent as trailing metadata `kev-field-bin` (UTF-8). Includes requests over
                         KEV_MAX_REQUEST_BYTES (the field holding the most bytes is named), invalid
                         UTF-8 and unknown models. Above TRANSPORT_LIMIT_FACTOR x that limit gRPC itself
@@ -30,12 +30,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kev import api
+from kev.request import api
 from kev.engine import LoadedModel
-from kev.errors import InvalidRequest
-from kev.prompts import validate_and_build
+from kev.request.errors import InvalidRequest
+from kev.request.prompts import validate_and_build
 from kev.v1 import scorer_pb2 as pb
-from kev import wire
+from kev.rpc import wire
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import Job, RowBatcher
 from scorer_service.config import ScorerConfig

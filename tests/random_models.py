@@ -2,8 +2,8 @@
 
 import torch
 
-from kev.config import ModelConfig
-from kev.model import Qwen35Model
+from kev.model.config import ModelConfig
+from kev.model.qwen35 import Qwen35Model
 
 
 def tiny_config(hv_per_h: int = 2, layers=("linear_attention",) * 3 + ("full_attention",), **over) -> ModelConfig:

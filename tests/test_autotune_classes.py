@@ -25,8 +25,8 @@ from kev.bank.bank import Bank
 from kev.ops import get_ops
 from kev.ops.autotune import (CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, classify, classify_cu_seqlens,
                               classify_lens, hot_autotuners, pick_config)
-from kev.ops.warm_up import warm_shapes, warm_up
-from kev.runner import RowBatch, Runner
+from kev.exec.warm_up import warm_shapes, warm_up
+from kev.exec.runner import RowBatch, Runner
 from random_models import random_model, tiny_config
 
 

@@ -20,11 +20,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kev.bank.bank import Bank, BankHandle
 from kev.bank.shared import attach
-from kev.directory import Directory
-from kev.doc_key import document_key
+from kev.bank.directory import Directory
+from kev.bank.doc_key import document_key
 from kev.engine import LoadedModel
 from kev.ops import get_ops
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 from kev.v1 import bank_pb2 as pb
 from redis_server import RedisServer
 from tiny_stack import TINY_MODEL_ID, make_tiny_checkpoint, pack_tokens, start_bank
@@ -421,7 +421,7 @@ def test_state_pass_batch_stays_on_the_graphs(lens, bucketed, taken):
 
     from bank_service.acquire import Acquirer
     from bank_service.jobs import Job
-    from kev.graphs import Buckets
+    from kev.exec.graphs import Buckets
 
     buckets = Buckets()
     fits = (lambda d, n: buckets.state_key(d, n) is not None and n <= 8192) if bucketed else (lambda d, n: None)
@@ -442,7 +442,7 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
 
     from bank_service.acquire import Acquirer
     from bank_service.jobs import Job, Waiter
-    from kev.directory import Lease
+    from kev.bank.directory import Lease
 
     order = []
     passes = SimpleNamespace(state_pass=lambda docs, handles: order.append("state_pass"),

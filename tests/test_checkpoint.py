@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kev.checkpoint import expected_shapes, load_checkpoint, read_config, read_weights
-from kev.config import CheckpointError
-from kev.lora import merge_lora
+from kev.model.checkpoint import expected_shapes, load_checkpoint, read_config, read_weights
+from kev.model.config import CheckpointError
+from kev.model.lora import merge_lora
 from tiny_checkpoints import hide_fla, lora_hooks, make_hf_checkpoint, make_lora_adapter
 from kernel_support import rel_err
 
@@ -47,7 +47,7 @@ def sharded_copy(sharded, tmp_path):
 def test_weights_match_hf_text_model(tmp_path, hv_per_h, bias):
     path, hf = make_hf_checkpoint(tmp_path, hv_per_h=hv_per_h, overrides={"attention_bias": bias})
     ck = load_checkpoint(path)
-    ref = hf.model.state_dict()  # Qwen3_5TextModel: the names kev.model uses
+    ref = hf.model.state_dict()  # Qwen3_5TextModel: the names kev.model.qwen35 uses
     assert expected_shapes(ck.config) == {k: tuple(v.shape) for k, v in ref.items()}
     assert list(ck.weights) == list(expected_shapes(ck.config))
     assert all(torch.equal(ck.weights[k], ref[k]) for k in ref)
@@ -361,7 +361,7 @@ def test_side_files_and_meta(flat_copy, tmp_path):
     with pytest.raises(CheckpointError, match="head.safetensors"):
         load_checkpoint(flat_copy, require_head=True)
 
-    (flat_copy / "head.safetensors").write_bytes(b"")  # located only; kev.head reads it
+    (flat_copy / "head.safetensors").write_bytes(b"")  # located only; kev.request.head reads it
     (flat_copy / "tokenizer.json").write_text("{}")
     (flat_copy / "kev.json").write_text(json.dumps({"model_id": "kev-tiny", "delimiters": {"decide": "<|x|>"}}))
     ck = load_checkpoint(flat_copy, require_head=True, require_tokenizer=True)
@@ -390,7 +390,7 @@ def test_bad_kev_json(flat_copy, meta, needle):
 
 
 def test_rslora_scale_reads_alpha_over_sqrt_r(flat, tmp_path):
-    from kev.lora import read_adapter_config
+    from kev.model.lora import read_adapter_config
 
     adapter = make_lora_adapter(tmp_path / "lora", flat[0], rank=4, alpha=8, use_rslora=True)
     assert read_adapter_config(adapter).scale == 8 / math.sqrt(4)

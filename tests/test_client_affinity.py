@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from kev.client import KevClient
-from kev.doc_key import AFFINITY_HEADER
+from kev.rpc.client import KevClient
+from kev.bank.doc_key import AFFINITY_HEADER
 from test_scorer_service import (  # noqa: F401  (module-scoped checkpoint fixture and helpers)
     checkpoint, directory, make_documents, make_requests, stack_for,
 )

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kev.doc_key import AFFINITY_HEADER
+from kev.bank.doc_key import AFFINITY_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -10,14 +10,14 @@ from collections import Counter
 import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
-from kev.directory import (
+from kev.bank.directory import (
     Directory,
     DirectoryConflict,
     DirectoryUnavailable,
     EntryState,
     connect,
 )
-from kev.doc_key import document_key
+from kev.bank.doc_key import document_key
 
 MODEL = "kev-test"
 NODE = "node-0"

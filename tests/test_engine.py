@@ -2,9 +2,9 @@
 
 import pytest
 
-from kev.api import Question, ScoreRequest
+from kev.request.api import Question, ScoreRequest
 from kev.engine import Engine
-from kev.errors import InvalidRequest
+from kev.request.errors import InvalidRequest
 from tiny_stack import WORDS, make_tiny_checkpoint
 
 
@@ -66,7 +66,7 @@ def test_loaded_model_is_the_checkpoint_exactly(engine, tmp_path):
     tensors: nothing is left on the meta device and every parameter equals the file's."""
     import torch
 
-    from kev.checkpoint import read_config, read_weights
+    from kev.model.checkpoint import read_config, read_weights
     from kev.engine import LoadedModel
 
     path = make_tiny_checkpoint(tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""CUDA-graph buckets on CPU: the padded layouts (kev.static_pass) and the capture policy (kev.graphs).
+"""CUDA-graph buckets on CPU: the padded layouts (kev.exec.static_pass) and the capture policy (kev.exec.graphs).
 
 The layouts run through the torch reference ops: a ROWS bucket (rows padded at their end, padding
 rows reading nothing) gives the real rows' answers of the unpadded pass (fp32; the torch chunked
@@ -13,15 +13,15 @@ import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.bank.bank import Bank
-from kev.graphs import Buckets, CapturePolicy, GraphedPasses
+from kev.exec.graphs import Buckets, CapturePolicy, GraphedPasses
 from kev.ops import get_ops
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
-from kev.passes import parse_row_buckets
-from kev.runner import RowBatch, Runner
+from kev.exec.passes import parse_row_buckets
+from kev.exec.runner import RowBatch, Runner
 from kev.ops.autotune import ShapeClass
-from kev.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, pair_chunks, static_chunks
+from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, pair_chunks, static_chunks
 from random_models import random_model, tiny_config
 from kernel_support import rel_err
 
@@ -136,7 +136,7 @@ def test_pair_chunks_hold_every_real_chunk(L, block):
 def test_state_fill_and_host_ints():
     """The STATE layout's fill (host tensor ops) against the layout spelled out per pair, over
     random documents, counts and bucket lengths; `host_int64` equals `torch.tensor` on the lists."""
-    from kev.transfer import host_int64
+    from kev.exec.transfer import host_int64
 
     g = torch.Generator().manual_seed(3)
     table = torch.arange(16 * 8, dtype=torch.int32).view(16, 8)
@@ -168,7 +168,7 @@ def test_state_fill_and_host_ints():
 def test_start_up_buckets_are_captured_largest_first(model):
     """The gathered variant's row buffers grow with the passes that need them and keep what they
     outgrow (graphs point into it): the start-up capture and queue go from the most rows down."""
-    from kev.graphs import largest_first
+    from kev.exec.graphs import largest_first
 
     b = Buckets()
     small, wide, long_rows = b.row_key(2, 32, 2), b.row_key(64, 32, 64), b.row_key(8, 64, 8)

@@ -12,7 +12,7 @@ import torch
 
 from kernel_support import make_pools, packed
 from kev.ops.meta import PassMeta
-from kev.static_pass import GraphKey, PassKind, StaticPass
+from kev.exec.static_pass import GraphKey, PassKind, StaticPass
 from random_models import tiny_config
 
 
@@ -30,7 +30,7 @@ def inputs(cfg, T, g):
     (PassKind.ROWS, [65, 100, 3], 128, 4),  # two chunks per row, two padding rows
     (PassKind.STATE, [48, 30], 64, 4),  # two empty documents, padding sequences, no-op chunks
     # a document filling its pair (empty padding sequence), one past a chunk, one short: every kind
-    # of spare entry in the filled chunk lists (kev.static_pass.pair_chunks)
+    # of spare entry in the filled chunk lists (kev.exec.static_pass.pair_chunks)
     (PassKind.STATE, [130, 70, 5], 130, 3),
 ], ids=["rows", "state", "state-spare-entries"])
 def test_bucket_padding_is_bit_exact(interp, kind, lens, L, cap):

@@ -20,13 +20,13 @@ from triton.runtime.autotuner import Autotuner
 
 from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
-from kev.graphs import Buckets, CapturePolicy, GraphedPasses, largest_first
+from kev.exec.graphs import Buckets, CapturePolicy, GraphedPasses, largest_first
 from kev.ops.autotune import ClassTuner, ShapeClass, graph_bench
-from kev.ops.warm_up import warm_up
+from kev.exec.warm_up import warm_up
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
-from kev.runner import RowBatch, Runner
-from kev.static_pass import GraphKey, PassKind, StaticPass
+from kev.exec.runner import RowBatch, Runner
+from kev.exec.static_pass import GraphKey, PassKind, StaticPass
 from random_models import random_model
 
 pytestmark = pytest.mark.gpu

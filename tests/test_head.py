@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kev.api import ChoiceAnswer, NoulAnswer, Question, ScoreAnswer
-from kev.config import CheckpointError
-from kev.head import DecisionHead, answer, answers, load_head, save_head
+from kev.request.api import ChoiceAnswer, NoulAnswer, Question, ScoreAnswer
+from kev.model.config import CheckpointError
+from kev.request.head import DecisionHead, answer, answers, load_head, save_head
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 

@@ -1,11 +1,11 @@
-"""kev/interpreter.py: the start-up heap frozen out of GC scans, and the GIL switch interval."""
+"""kev/serving/interpreter.py: the start-up heap frozen out of GC scans, and the GIL switch interval."""
 
 import gc
 import sys
 
 import pytest
 
-from kev.interpreter import freeze_startup_heap, set_switch_interval
+from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 
 
 def test_freeze_moves_the_live_heap_out_of_collections():

@@ -228,7 +228,7 @@ def test_attention_reads_no_keys_past_a_bucket_padding_sequence():
     GPU stays healthy, with outputs that match the reference."""
     from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
     from kev.ops.meta import PassMeta
-    from kev.static_pass import static_chunks
+    from kev.exec.static_pass import static_chunks
 
     L, doc, Hq, Hkv, D = 8192, 8184, 16, 4, 256
     g = torch.Generator(device="cuda").manual_seed(3)

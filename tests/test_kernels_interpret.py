@@ -462,7 +462,7 @@ def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_mode
     over a stored one, in one pass over the weights (the joined delta rule, the last layer's
     K/V-only store). Triton indexed == gathered bit for bit, both ~= torch and ~= two passes."""
     from kev.bank.bank import Bank
-    from kev.runner import RowBatch, Runner
+    from kev.exec.runner import RowBatch, Runner
 
     g = torch.Generator().manual_seed(4)
     stored_doc = [torch.randint(0, 300, (90,), generator=g).tolist()]

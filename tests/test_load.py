@@ -20,11 +20,11 @@ import pytest
 import torch
 from grpc_health.v1 import health
 
-from kev import api
-from kev.prompts import validate_and_build
+from kev.request import api
+from kev.request.prompts import validate_and_build
 from kev.stack import Stack, free_port
 from kev.v1 import scorer_pb2 as pb
-from kev.wire import response_from_proto
+from kev.rpc.wire import response_from_proto
 from test_scorer_service import engine_answers
 from tiny_checkpoints import hide_fla
 from tiny_stack import make_tiny_checkpoint
@@ -324,8 +324,8 @@ def test_start_up_plans_follow_the_workloads():
     log_text = "\n".join([
         "2026-11-29 11:40:00,000 INFO bank_service: config {}",
         "2026-11-29 11:40:31,500 INFO bank_service.server: weights loaded in 31.5 s",
-        "2026-11-29 11:41:10,000 INFO kev.passes: autotune classes ['rows_small'] warmed in 38.2 s",
-        "2026-11-29 11:41:20,000 INFO kev.passes: captured 11 CUDA graphs in 9.9 s: [...]",
+        "2026-11-29 11:41:10,000 INFO kev.exec.passes: autotune classes ['rows_small'] warmed in 38.2 s",
+        "2026-11-29 11:41:20,000 INFO kev.exec.passes: captured 11 CUDA graphs in 9.9 s: [...]",
         "2026-11-29 11:41:21,000 INFO bank_service.server: serving kev.v1.Bank as node stack (metrics port off)",
     ])
     assert startup_breakdown(log_text) == {"weights_s": 31.5, "class_warm_up_s": 38.2, "graph_capture_s": 9.9,
@@ -338,7 +338,7 @@ ROW_CLASSES = "rows_few,rows_mid,rows_wide"
 
 def test_warm_plan_follows_the_workloads():
     from bench.load_startup import warm_plan
-    from kev.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS
+    from kev.exec.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS
 
     six, five, mixed, longdoc = (WORKLOADS[w] for w in ("six-short", "five-long", "mixed", "longdoc"))
     # (scorers, bank). Scorers: 1..96 rows of <= 128 tokens are the three row classes.

@@ -7,7 +7,7 @@ import torch
 
 from kev.bank.bank import Bank
 from kev.ops import get_ops
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 from random_models import random_model, tiny_config
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kev.checkpoint import load_checkpoint
-from kev.model import Qwen35Model
+from kev.model.checkpoint import load_checkpoint
+from kev.model.qwen35 import Qwen35Model
 from kev.ops import PassMeta, get_ops
 from kev.bank.bank import Bank
 from tiny_checkpoints import hide_fla, make_hf_checkpoint

@@ -9,10 +9,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from kev.api import Choice, Question, QuestionType, ScoreRequest
-from kev.config import CheckpointError
-from kev.errors import DocumentTooLong, InvalidRequest, RowTooLong, question_field
-from kev.prompts import (
+from kev.request.api import Choice, Question, QuestionType, ScoreRequest
+from kev.model.config import CheckpointError
+from kev.request.errors import DocumentTooLong, InvalidRequest, RowTooLong, question_field
+from kev.request.prompts import (
     MAX_JSON_DEPTH, Delimiters, Limits, PromptBuilder, parse_json_document, render_document, validate_and_build,
 )
 from tiny_tokenizer import KEV_DELIMITERS, make_test_tokenizer

@@ -20,14 +20,14 @@ import grpc
 import pytest
 import torch
 
-from kev import api
-from kev.directory import Directory, connect
+from kev.request import api
+from kev.bank.directory import Directory, connect
 from kev.bank.bank import Bank
 from kev.engine import Engine, LoadedModel
-from kev.prompts import Limits
+from kev.request.prompts import Limits
 from kev.stack import Stack
 from kev.v1 import bank_pb2, bank_pb2_grpc, scorer_pb2, scorer_pb2_grpc
-from kev.wire import request_to_proto, response_from_proto
+from kev.rpc.wire import request_to_proto, response_from_proto
 from tiny_stack import TINY_MODEL_ID, WORDS, make_tiny_checkpoint
 
 MAX_DOC_TOKENS = 512

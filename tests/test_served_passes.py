@@ -1,4 +1,4 @@
-"""The services' passes on CPU (kev/passes.py): the plain Runner path unchanged, the settings of the
+"""The services' passes on CPU (kev/exec/passes.py): the plain Runner path unchanged, the settings of the
 CUDA-graph plan, the row worker's capture-when-idle decision, and the graph metrics.
 
 The CUDA side (warm-up, start-up capture, bitwise replays, no autotune after start-up) is in
@@ -18,9 +18,9 @@ from bank_service.config import ConfigError as BankConfigError
 from kev.bank.bank import Bank
 from kev.ops import get_ops
 from kev.ops.autotune import ShapeClass
-from kev.passes import (DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassBuilder, PassRole, parse_doc_buckets,
+from kev.exec.passes import (DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassBuilder, PassRole, parse_doc_buckets,
                         parse_row_buckets, parse_warm_classes)
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 from random_models import random_model, tiny_config
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
@@ -74,7 +74,7 @@ def test_warm_classes_follow_the_plan():
 def test_build_warms_the_plan_classes_once(monkeypatch, warm):
     """The CUDA path's warm-up, with the tuner, the runner and `warm_up` stubbed: the classes given,
     once per process (an empty plan too: a re-attach does not warm again)."""
-    import kev.passes as passes_module
+    import kev.exec.passes as passes_module
 
     calls = []
     monkeypatch.setattr(passes_module, "_indexed", lambda ops: True)
@@ -165,8 +165,8 @@ def test_bank_warm_classes_from_env_and_flags():
 
 
 def test_start_keys_follow_the_plan():
-    from kev.graphs import Buckets
-    from kev.static_pass import GraphKey, PassKind
+    from kev.exec.graphs import Buckets
+    from kev.exec.static_pass import GraphKey, PassKind
 
     buckets = Buckets(rows=(1, 2, 4, 8, 16, 32, 64, 96, 128))  # powers of two: 3 rows pad to 4, 7 to 8
     plan = GraphPlan(rows=((3, 20, 20), (4, 32, 20), (8, 64, 40), (128, 32, 640)), docs=((1, 100), (3, 2048)),
@@ -184,7 +184,7 @@ def test_start_keys_follow_the_plan():
 
 
 def test_default_doc_buckets_all_exist():
-    from kev.graphs import Buckets
+    from kev.exec.graphs import Buckets
 
     keys = PassBuilder(None, None, PassRole.STATES, BankConfig.from_env(BANK_ENV, []).graph_plan).start_keys(Buckets())
     assert len(keys) == 13 and max(k.num_tokens for k in keys) <= Buckets().max_state_tokens

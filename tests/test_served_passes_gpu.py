@@ -1,4 +1,4 @@
-"""The services' passes on CUDA (kev/passes.py; H200, skipped on CPU by the `gpu` marker).
+"""The services' passes on CUDA (kev/exec/passes.py; H200, skipped on CPU by the `gpu` marker).
 
 What the bank and a scorer build at start-up, on a small model (width 512, 4 layers) with Kev-4B's
 heads, random bf16 weights, projections fused as `LoadedModel` does on GPU:
@@ -16,13 +16,13 @@ import pytest
 import torch
 from triton.runtime.autotuner import Autotuner
 
-from kev import passes as passes_module
+from kev.exec import passes as passes_module
 from kev.bank.bank import Bank
-from kev.graphs import largest_first
+from kev.exec.graphs import largest_first
 from kev.ops.autotune import ShapeClass
 from kev.ops.triton_ops import TritonOps
-from kev.passes import GraphPlan, PassBuilder, PassRole
-from kev.runner import RowBatch, Runner
+from kev.exec.passes import GraphPlan, PassBuilder, PassRole
+from kev.exec.runner import RowBatch, Runner
 from random_models import random_model
 from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, rel_err
 
@@ -173,9 +173,9 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
     the same graph with other rows, equal A's answers read at once, bit for bit."""
     from types import SimpleNamespace
 
-    from kev.api import Question
+    from kev.request.api import Question
     from kev.engine import answer_rows, start_answers
-    from kev.head import DecisionHead
+    from kev.request.head import DecisionHead
 
     d = served["cfg"].hidden_size
     g = torch.Generator().manual_seed(5)

@@ -1,5 +1,5 @@
 """The whole stack on CUDA: bank_service and scorer_service with KEV_DEVICE=cuda (class-tuned,
-warmed, graphed passes: kev/passes.py) on the tiny checkpoint, against the in-process engine on
+warmed, graphed passes: kev/exec/passes.py) on the tiny checkpoint, against the in-process engine on
 CUDA with the same kernels.
 
 Each request is sent alone, so the scorer's row pass and the engine's fall in the same bucket.
@@ -14,12 +14,12 @@ import grpc
 import pytest
 import torch
 
-from kev import api
+from kev.request import api
 from kev.bank.bank import Bank
 from kev.engine import Engine, LoadedModel
 from kev.ops import get_ops
-from kev.passes import GraphPlan, parse_doc_buckets, parse_row_buckets
-from kev.prompts import Limits
+from kev.exec.passes import GraphPlan, parse_doc_buckets, parse_row_buckets
+from kev.request.prompts import Limits
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from kev.bank.bank import Bank, BankHandle, StaleHandle
 from kev.bank.shared import SharedBank, attach, generation_seed
 from kev.ops import get_ops
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 from kev.v1 import bank_pb2 as pb
 from random_models import random_model, tiny_config
 
@@ -35,7 +35,7 @@ MAPPER = textwrap.dedent("""
     from kev.bank.bank import BankHandle, StaleHandle
     from kev.bank.shared import attach
     from kev.ops import get_ops
-    from kev.runner import RowBatch, Runner
+    from kev.exec.runner import RowBatch, Runner
     from kev.v1 import bank_pb2 as pb
     from random_models import random_model, tiny_config
 

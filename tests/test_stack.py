@@ -17,11 +17,12 @@ import time
 import grpc
 import pytest
 
-from kev import api, cli
-from kev.doc_key import document_key
+from kev.request import api
+from kev.rpc import cli
+from kev.bank.doc_key import document_key
 from kev.stack import Stack, StackError
 from kev.v1 import scorer_pb2_grpc
-from kev.wire import request_to_proto
+from kev.rpc.wire import request_to_proto
 from test_scorer_service import (  # noqa: F401  (shared helpers and the module-scoped checkpoint)
     assert_same, bank_stats, checkpoint, directory, engine_answers, make_documents,
     make_engine, make_question, make_requests, score, stack_for, wait_for,

@@ -1,12 +1,12 @@
-"""The state pass's memory bound (`kev.runner.state_pass_peak_bytes`): its arithmetic on CPU.
+"""The state pass's memory bound (`kev.exec.runner.state_pass_peak_bytes`): its arithmetic on CPU.
 The GPU test (`test_state_pass_gpu.py`) enforces it against a measured peak."""
 
 import torch
 
 from kev.bank.bank import Bank
-from kev.config import ModelConfig
+from kev.model.config import ModelConfig
 from kev.ops.torch_ops import TorchOps
-from kev.runner import PEAK_SLACK, Runner, state_pass_peak_bytes
+from kev.exec.runner import PEAK_SLACK, Runner, state_pass_peak_bytes
 from random_models import random_model, tiny_config
 
 KEV_4B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, intermediate_size=9216,

@@ -13,7 +13,7 @@ import torch
 
 from kev.bank.bank import Bank
 from kev.ops.triton_ops import TritonOps
-from kev.runner import Runner
+from kev.exec.runner import Runner
 from random_models import random_model
 from kernel_support import kev4b_heads_config
 

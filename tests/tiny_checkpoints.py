@@ -277,7 +277,7 @@ def make_lora_adapter(
 def lora_hooks(model: nn.Module, adapter_dir: str | Path) -> Iterator[int]:
     """Apply an adapter UNMERGED to an HF model: y += scale * (x @ A^T) @ B^T on each adapted linear.
 
-    Reads the files itself (independent of kev.lora) so it can serve as the reference; yields
+    Reads the files itself (independent of kev.model.lora) so it can serve as the reference; yields
     the number of hooked layers. Adapters made for a nested base are mapped onto the text model.
     """
     adapter_dir = Path(adapter_dir)

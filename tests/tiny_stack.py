@@ -8,7 +8,7 @@
     bank.stop()                                                # SIGTERM; returns the exit code
 
 The checkpoint directory is what KEV_CHECKPOINT points at: flat `config.json` + `model.safetensors`
-(kev.random_models weights, norms and dt_bias randomised), `head.safetensors` (kev.head.save_head),
+(kev.random_models weights, norms and dt_bias randomised), `head.safetensors` (kev.request.head.save_head),
 `tokenizer.json` (tests/tiny_tokenizer: word level over WORDS, Kev delimiters as special tokens)
 and `kev.json` naming the model TINY_MODEL_ID. `ServiceProcess` runs any service module (the scorer
 too) as a separate process with a log file, and waits on its gRPC health.
@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
 from bench.load import scrape
-from kev.head import DecisionHead, save_head
+from kev.request.head import DecisionHead, save_head
 from kev.v1 import bank_pb2_grpc
 from random_models import random_model, tiny_config
 from tiny_tokenizer import make_test_tokenizer

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kev.bank.layout import StatePools
-from kev.config import ModelConfig
+from kev.model.config import ModelConfig
 
 
 class BankFull(RuntimeError):

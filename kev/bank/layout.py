@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kev.config import ModelConfig
+from kev.model.config import ModelConfig
 
 
 @dataclass(frozen=True, eq=False)

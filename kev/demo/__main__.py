@@ -1,7 +1,7 @@
 """`python -m kev.demo` (the README's main job): the whole stack on CPU, answering the examples.
 
 Starts a private Redis, the bank service and one scorer (kev.stack), sends the example requests
-through the public gRPC API with the client library (kev.client), prints the answers, and shuts
+through the public gRPC API with the client library (kev.rpc.client), prints the answers, and shuts
 everything down. `--in-process` scores them with kev.engine.Engine instead (no services).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kev.client import KevClient
+from kev.rpc.client import KevClient
 from kev.demo.evaluate import DEFAULT_CHECKPOINT
 from kev.demo.examples import EXAMPLES, format_all
 from kev.engine import Engine

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kev.api import Answer, ChoiceAnswer, NoulAnswer, ScoreAnswer, ScoreRequest
+from kev.request.api import Answer, ChoiceAnswer, NoulAnswer, ScoreAnswer, ScoreRequest
 from kev.demo.tasks import as_requests, generate
 from kev.engine import Engine
 
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.stack:
         print(format_report(evaluate(args.checkpoint, args.questions, args.seed)))
         return
-    from kev.client import KevClient
+    from kev.rpc.client import KevClient
     from kev.stack import Stack
 
     with Stack(args.checkpoint) as stack, KevClient(stack.scorer_addr, args.checkpoint) as client:

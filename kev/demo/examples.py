@@ -13,8 +13,8 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kev.api import Answer, ChoiceAnswer, NoulAnswer, Question, ScoreRequest
-from kev.prompts import render_document
+from kev.request.api import Answer, ChoiceAnswer, NoulAnswer, Question, ScoreRequest
+from kev.request.prompts import render_document
 
 TEAMS = {"billing": "payments , invoices and charges", "technical": "bugs , errors and crashes",
          "shipping": "deliveries , parcels and tracking", "account": "login , passwords and profile settings"}

@@ -31,9 +31,9 @@ from tokenizers import Tokenizer, normalizers
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from kev.api import Choice, JsonDocument, Question, QuestionType, ScoreRequest
+from kev.request.api import Choice, JsonDocument, Question, QuestionType, ScoreRequest
 from kev.demo.domains import CITIES, COMPANIES, DOMAINS, EXTRA_WORDS, NAMES, Domain
-from kev.prompts import Delimiters
+from kev.request.prompts import Delimiters
 
 MIN_DOC_TOKENS, MAX_DOC_TOKENS = 20, 400
 UNK = "[UNK]"

@@ -42,13 +42,13 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from kev.bank.layout import StatePools
-from kev.config import ModelConfig
+from kev.model.config import ModelConfig
 from kev.demo.tasks import Example, build_tokenizer, generate_documents
 from kev.demo.train_ops import SweepTrainOps
-from kev.head import DecisionHead, save_head
-from kev.model import Qwen35Model
+from kev.request.head import DecisionHead, save_head
+from kev.model.qwen35 import Qwen35Model
 from kev.ops import PassMeta
-from kev.prompts import PromptBuilder
+from kev.request.prompts import PromptBuilder
 
 MODEL_ID = "kev-demo-tiny"
 HEAD_DIM = 256  # R of Kev heads
@@ -217,7 +217,7 @@ def fit_temperature(logits: torch.Tensor, gold: torch.Tensor, steps: int = 200) 
 
 def save_checkpoint(directory: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor],
                     head: DecisionHead, tokenizer: Tokenizer, model_id: str = MODEL_ID) -> None:
-    """A Kev checkpoint directory (kev.checkpoint's format): flat text config, `model.*` weights
+    """A Kev checkpoint directory (kev.model.checkpoint's format): flat text config, `model.*` weights
     in one fp32 safetensors file, head, tokenizer and kev.json."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ A class serves many shapes, and one shape's best config can be 1.1-1.5x on anoth
 class (the H200 map). So a class is tuned on several shapes (`CLASS_SHAPES`): `ClassTuner.tune`
 runs each shape's pass with fresh caches, so Triton's own autotuner benchmarks every config of
 every key the pass hits, keeps those timings, and pins in the class cache, per key, the config
-with the least total time over the class's shapes. `kev.ops.warm_up.warm_up` does that with the
+with the least total time over the class's shapes. `kev.exec.warm_up.warm_up` does that with the
 real model, dtypes and pools before any CUDA-graph capture; nothing tunes again for a key pinned there.
 A serving tuner (`serving_tuner`) times each config by CUDA-graph replay (`graph_bench`), as
 passes are served, not by Triton's `do_bench`.

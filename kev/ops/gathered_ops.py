@@ -9,7 +9,7 @@ Everything else is identical, so indexed and gathered results must match bit for
 The page buffer holds P = ceil(max prefix / BS) pages per row. P comes from `max_prefix_tokens`
 when given, else from the pass's host metadata (one host sync per pass).
 
-CUDA-graph buckets (`kev.static_pass`, metas given to `pin`) change their index tensors in place
+CUDA-graph buckets (`kev.exec.static_pass`, metas given to `pin`) change their index tensors in place
 between replays, so nothing may be derived from them once and kept: for a pinned meta the gather
 plan (source slots, source pages) is recomputed on the device at every call, inside the graph
 when captured, and P must come from `max_prefix_tokens` (a bucket serves any prefix length; the

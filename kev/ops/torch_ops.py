@@ -22,7 +22,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class TorchOps(ReferenceElementwise):
-    """Norms and activations: exactly the reference maths (kev.invariant activations)."""
+    """Norms and activations: exactly the reference maths (kev.ops.invariant activations)."""
 
     name = "torch"
 

@@ -6,7 +6,7 @@
 - `delta_gates(a, b, A_log, dt_bias)`: the DeltaNet gates, (g, beta) with g = -exp(A_log) *
   softplus(a + dt_bias) in fp32 and beta = sigmoid(b) in b's dtype.
 
-The activations are the batch-invariant forms of `kev.invariant` (x / (1 + exp(-x)), ...), with the
+The activations are the batch-invariant forms of `kev.ops.invariant` (x / (1 + exp(-x)), ...), with the
 same rounding to the inputs' dtype after every step that the torch reference rounds (bf16 tensors
 there compute each op in fp32 and round its result). Division is IEEE (`div_rn`); exp is the GPU's.
 Blocks are fixed per shape (no autotune inside CUDA-graph capture).

@@ -1,6 +1,6 @@
 """The plain torch maths of the model's norms, activations and RoPE: the CPU path and the reference.
 
-`TorchOps` runs exactly these (the CPU engine's maths, built from `kev.invariant`'s batch-invariant
+`TorchOps` runs exactly these (the CPU engine's maths, built from `kev.ops.invariant`'s batch-invariant
 activations, so a token's result never depends on what shares its pass). The fused Triton kernels
 in `norms.py` and `activations.py` are checked against them; they follow the same dtype steps (the
 same roundings to the activations' dtype between steps) but use the GPU's exp/rsqrt, so they agree
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kev.invariant import sigmoid, silu, softplus
+from kev.ops.invariant import sigmoid, silu, softplus
 from kev.ops.fused import output_like
 
 

@@ -23,7 +23,7 @@ The names follow kev/v1/scorer.proto, except that `document` stands for whicheve
 `document_text` / `document_json` was set.
 
 Problems with server-side files (tokenizer, head) are not request errors: they raise
-`kev.config.CheckpointError`.
+`kev.model.config.CheckpointError`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lua for the Redis directory (kev.directory): every read-modify-write is one script, so Redis runs
+"""Lua for the Redis directory (kev.bank.directory): every read-modify-write is one script, so Redis runs
 it atomically and no interleaving of scorers and the bank can pin an entry that is being evicted.
 
 Key layout under one namespace prefix P = `kev:{<model>@<node>}:` (the braces make a Redis

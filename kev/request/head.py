@@ -15,7 +15,7 @@ with -inf and takes a row softmax: no loop over options or questions, no atomics
 deterministic on GPU), and only host ints (the counts come from the prompts) decide the layout.
 Note: a process that enables TF32 matmuls globally would also lower the two projections here.
 
-Answers (`answer`): see kev.api for the semantics; argmax ties go to the first option/lowest level.
+Answers (`answer`): see kev.request.api for the semantics; argmax ties go to the first option/lowest level.
 
 File format `head.safetensors` (safetensors, never pickle):
 
@@ -44,10 +44,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kev.api import Answer, ChoiceAnswer, NoulAnswer, Question, QuestionType, ScoreAnswer
-from kev.config import CheckpointError
-from kev.invariant import tiled_linear
-from kev.transfer import to_device
+from kev.request.api import Answer, ChoiceAnswer, NoulAnswer, Question, QuestionType, ScoreAnswer
+from kev.model.config import CheckpointError
+from kev.ops.invariant import tiled_linear
+from kev.exec.transfer import to_device
 
 HEAD_FORMAT = "kev-decision-head"
 HEAD_VERSION = "1"
@@ -111,7 +111,7 @@ class DecisionHead:
         return torch.softmax(table, dim=-1)[seg, col]  # [Q, Kmax] -> [O]
 
     def _logits(self, h_decide: torch.Tensor, h_opts: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-        # Fixed row tiles: a question's logits must not depend on how many share the pass (kev.invariant).
+        # Fixed row tiles: a question's logits must not depend on how many share the pass (kev.ops.invariant).
         q = tiled_linear(h_decide.float(), self.w_q, self.b_q)  # [Q, d] @ [d, R] -> [Q, R]
         k = tiled_linear(h_opts.float(), self.w_k, self.b_k)  # [O, d] @ [d, R] -> [O, R]
         dots = (k * q[seg]).sum(-1)  # [O, R] * [O, R] -> [O]
@@ -135,7 +135,7 @@ class DecisionHead:
         seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # [O]
         first = torch.cumsum(counts, 0) - counts  # flat index of each question's first option
         col = torch.arange(h_opts.shape[0]) - first[seg]  # [O]
-        both = to_device(torch.stack([seg, col]), h_opts.device)  # no wait for the GPU (kev/transfer.py)
+        both = to_device(torch.stack([seg, col]), h_opts.device)  # no wait for the GPU (kev/exec/transfer.py)
         return both[0], both[1]
 
 

@@ -3,7 +3,7 @@
 On CPU, or with the torch reference ops, a process runs a plain `Runner`, exactly as before.
 On CUDA with the indexed `TritonOps` it runs the speed machinery of issue 5:
 - one `ClassTuner` per process (shape-class autotune caches, Triton's disk cache off);
-- `kev.ops.warm_up.warm_up` of every class its passes can use (or the plan's `warm` classes), with
+- `kev.exec.warm_up.warm_up` of every class its passes can use (or the plan's `warm` classes), with
   the real model, dtypes and pools, once per process and before any CUDA-graph capture;
 - `GraphedPasses` under the WHEN_IDLE policy: the start-up buckets (`GraphPlan`) captured before
   the process serves; a bucket used twice without a graph is queued and captured by the process's
@@ -34,16 +34,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from kev.bank.bank import BankHandle
-from kev.model import Qwen35Model
+from kev.model.qwen35 import Qwen35Model
 from kev.ops import Ops
 from kev.ops.autotune import ClassTuner, ShapeClass, serving_tuner
-from kev.ops.warm_up import warm_up
-from kev.runner import RowBatch, Runner
-from kev.static_pass import PICKS_PER_ROW
+from kev.exec.warm_up import warm_up
+from kev.exec.runner import RowBatch, Runner
+from kev.exec.static_pass import PICKS_PER_ROW
 
 if TYPE_CHECKING:
-    from kev.graphs import Buckets, GraphedPasses, GraphStats
-    from kev.static_pass import GraphKey
+    from kev.exec.graphs import Buckets, GraphedPasses, GraphStats
+    from kev.exec.static_pass import GraphKey
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class PassBuilder:
             if bank.block_table.device.type == "cuda":
                 log.info("%s ops on CUDA: no class tuning and no CUDA graphs", self.ops.name)
             return ServedPasses(Runner(self.model, bank, self.ops, self.state_chunk_tokens))
-        from kev.graphs import CapturePolicy, GraphedPasses, GraphStats
+        from kev.exec.graphs import CapturePolicy, GraphedPasses, GraphStats
 
         with self._lock:
             if self.tuner is None:

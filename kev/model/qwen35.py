@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kev.bank.layout import StatePools
-from kev.config import LayerType, ModelConfig
-from kev.invariant import tiled_linear
+from kev.model.config import LayerType, ModelConfig
+from kev.ops.invariant import tiled_linear
 from kev.ops import Ops, PassMeta
 from kev.ops.meta import PhasedMeta, as_phases
 from kev.ops.fused import reference
@@ -60,7 +60,7 @@ def mix_by_phase(phases: Phases, scope: MixerScope, mix, *tensors: torch.Tensor,
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run in fixed row tiles (see kev.invariant), for bitwise batch invariance."""
+    """nn.Linear that can run in fixed row tiles (see kev.ops.invariant), for bitwise batch invariance."""
 
     row_tile: int = 0  # 0: one plain GEMM (GPU); >0: [tiles, row_tile, in] batched GEMM
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from kev.bank.bank import Bank, BankHandle
-from kev.config import ModelConfig
-from kev.model import Qwen35Model
+from kev.model.config import ModelConfig
+from kev.model.qwen35 import Qwen35Model
 from kev.ops import Ops, PassMeta
 from kev.ops.autotune import ClassTuner, ShapeClass, classify
 from kev.ops.meta import PhasedMeta, host_positions
-from kev.transfer import host_int64, to_device
+from kev.exec.transfer import host_int64, to_device
 
 # Safety factor of `state_pass_peak_bytes` over its itemised estimate: kernel temporaries not listed,
 # allocation rounding, tensors freed a little later than the listing assumes.
@@ -96,7 +96,7 @@ class RowBatch:
         picks = [cu[i] + p for i, ps in enumerate(picks_per_row) for p in ps]
         flat = [t for r in rows for t in r]
         parts = (flat, cu, [h.slot for h in handles], list(doc_lens), picks, host_positions(lens, list(doc_lens)))
-        # One host block, one copy that does not wait for the GPU (kev/transfer.py); the fields are views.
+        # One host block, one copy that does not wait for the GPU (kev/exec/transfer.py); the fields are views.
         host = host_int64(v for part in parts for v in part)
         sizes = [len(p) for p in parts]
         tokens, cu_seqlens, slots, lens_t, picks_t, positions = to_device(host, device).split(sizes)
@@ -145,7 +145,7 @@ class Runner:
         for n in lens:
             cu.append(cu[-1] + n)
         parts = ([t for c in chunks for t in c], cu, list(slots), host_positions(lens, [done] * len(lens)))
-        # One host block, one copy that does not wait for the GPU (kev/transfer.py); the fields are views.
+        # One host block, one copy that does not wait for the GPU (kev/exec/transfer.py); the fields are views.
         block = to_device(host_int64(v for part in parts for v in part), self.device)
         tokens, cu_t, slot_t, positions = block.split([len(p) for p in parts])
         meta = PassMeta(cu_seqlens=cu_t, read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1),

@@ -1,7 +1,7 @@
 """Typed request and response of the public scoring API (DESIGN.md section 1).
 
 These are plain frozen dataclasses with no tensors and no validation: the gRPC layer maps its
-messages onto them one to one, and `kev.prompts.validate_and_build` checks them, so every error
+messages onto them one to one, and `kev.request.prompts.validate_and_build` checks them, so every error
 names its field in one place. Sequences are stored as tuples; `Question.choice` and friends accept
 lists and mappings for convenience.
 
@@ -10,7 +10,7 @@ lists and mappings for convenience.
 duplicate names, and the validator must see them to reject them. `Question.type` may hold a
 value that is not a `QuestionType` (an unset or unknown wire enum): the validator rejects it.
 
-Answer semantics (computed by `kev.head.answer`):
+Answer semantics (computed by `kev.request.head.answer`):
 - `NoulAnswer.p_yes`: probability of "yes" (options are rendered "no" then "yes").
 - `ChoiceAnswer`: `choice` = argmax name (ties -> first listed), `probabilities` per name in
   request order, `confidence` = (p_max - 1/K) / (1 - 1/K), 1 when K = 1.

@@ -1,4 +1,4 @@
-"""Wire <-> typed API: `kev.v1` protobuf messages and `kev.api` dataclasses, one to one.
+"""Wire <-> typed API: `kev.v1` protobuf messages and `kev.request.api` dataclasses, one to one.
 
 The scorer receives `ScoreQuestions` requests as raw bytes and parses them here, so a request
 that protobuf cannot parse (invalid UTF-8 in a string field, a truncated message) or that is too
@@ -13,9 +13,9 @@ import json
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
-from kev import api
-from kev.errors import InvalidRequest
-from kev.prompts import parse_json_document
+from kev.request import api
+from kev.request.errors import InvalidRequest
+from kev.request.prompts import parse_json_document
 from kev.v1 import scorer_pb2 as pb
 
 _TYPES = {pb.Question.NOUL: api.QuestionType.NOUL, pb.Question.CHOICE: api.QuestionType.CHOICE,

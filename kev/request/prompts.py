@@ -65,9 +65,9 @@ from dataclasses import dataclass, fields
 
 from tokenizers import Tokenizer
 
-from kev.api import Choice, JsonDocument, Question, QuestionType, ScoreRequest
-from kev.config import CheckpointError
-from kev.errors import DocumentTooLong, InvalidRequest, RowTooLong, question_field
+from kev.request.api import Choice, JsonDocument, Question, QuestionType, ScoreRequest
+from kev.model.config import CheckpointError
+from kev.request.errors import DocumentTooLong, InvalidRequest, RowTooLong, question_field
 
 MAX_JSON_DEPTH = 64
 
@@ -102,7 +102,7 @@ class DelimiterIds:
 class Delimiters:
     """Delimiter token strings; Kev checkpoints reuse existing Qwen special tokens.
 
-    Field names are the roles of `kev.checkpoint.DELIMITER_ROLES`, so a checkpoint's kev.json
+    Field names are the roles of `kev.model.checkpoint.DELIMITER_ROLES`, so a checkpoint's kev.json
     overrides apply as `Delimiters(**meta.delimiters)`.
     """
 

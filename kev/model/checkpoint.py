@@ -3,10 +3,10 @@
 Checkpoint directory (what `KEV_CHECKPOINT` points at):
 
     config.json                     Qwen3.5 config: flat `qwen3_5_text`, or the published multimodal
-                                    `qwen3_5` with the decoder under `text_config` (kev.config parses both)
+                                    `qwen3_5` with the decoder under `text_config` (kev.model.config parses both)
     model.safetensors               the weights in one file, or
     model-0000i-of-0000n.safetensors + model.safetensors.index.json   sharded (index `weight_map`)
-    head.safetensors                the decision head (read by kev.head.load_head; optional here)
+    head.safetensors                the decision head (read by kev.request.head.load_head; optional here)
     tokenizer.json                  the tokenizers-library tokenizer (optional here)
     kev.json                        optional: {"model_id": "...", "delimiters": {role: token text}}
 
@@ -17,7 +17,7 @@ nor the LM head. Anything else that does not map to an expected name is an error
 tensor or a wrong shape. Tensors only come from safetensors: nothing is ever unpickled.
 
 An optional LoRA adapter directory (PEFT layout: `adapter_config.json` + `adapter_model.safetensors`,
-see kev.lora) is merged at load. The base is read in fp32, merged in fp32 and rounded once to the
+see kev.model.lora) is merged at load. The base is read in fp32, merged in fp32 and rounded once to the
 serving dtype. A Kev release of that kind ships its head, tokenizer and kev.json beside the
 adapter, so those files are looked up in the adapter directory first, then in the checkpoint
 directory; the default model id is the name of the directory they describe (adapter, else checkpoint).
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kev.config import CheckpointError, LayerType, ModelConfig
+from kev.model.config import CheckpointError, LayerType, ModelConfig
 
 __all__ = [
     "Checkpoint",
@@ -322,7 +322,7 @@ def load_checkpoint(
     if adapter is None:
         weights = read_weights(checkpoint_dir, config, dtype=dtype, device=device)
     else:
-        from kev.lora import merge_lora  # kev.lora builds on this module; import here, not at the top
+        from kev.model.lora import merge_lora  # kev.model.lora builds on this module; import here, not at the top
 
         # fp32 until the merge is done, then one rounding per tensor (DESIGN §1).
         merged = merge_lora(read_weights(checkpoint_dir, config), adapter, config)

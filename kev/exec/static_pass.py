@@ -39,7 +39,7 @@ import torch
 
 from kev.ops.autotune import ShapeClass, classify
 from kev.ops.meta import PassMeta
-from kev.transfer import copy_in, host_int64
+from kev.exec.transfer import copy_in, host_int64
 
 CHUNK = 64  # the conv / delta-rule chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
 

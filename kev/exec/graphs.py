@@ -2,7 +2,7 @@
 
 `GraphedPasses` mirrors `Runner.row_pass` / `Runner.state_pass` / `Runner.state_and_row_pass`
 (one sweep: a `SweepKey`, a state bucket and a row bucket packed back to back). A pass that fits a bucket
-(`Buckets`) is padded into that bucket's static buffers (`kev.static_pass`); if the bucket has a
+(`Buckets`) is padded into that bucket's static buffers (`kev.exec.static_pass`); if the bucket has a
 graph it is replayed, else the same padded pass runs eagerly (same kernels, same autotune class,
 so the answer never depends on whether a graph existed). A pass that fits no bucket (too many
 rows, long documents, chunks carried in a slot) runs the plain `Runner` path.
@@ -11,7 +11,7 @@ The stored-state length is not a bucket dimension: the indexed kernels read each
 length at run time, so one graph serves rows over 40-token and 60k-token documents alike.
 
 Capture policy (`CapturePolicy`), never a stall on a busy server:
-- WARMUP_ONLY: graphs only from `capture(keys)` at start-up (after `kev.ops.warm_up.warm_up`).
+- WARMUP_ONLY: graphs only from `capture(keys)` at start-up (after `kev.exec.warm_up.warm_up`).
 - WHEN_IDLE: a bucket used `min_uses` times without a graph is queued (as are the buckets given to
   `queue(keys)`); the server calls `capture_pending()` when its queue is empty.
 - ON_FIRST_USE: capture at the first use (benchmarks, tests).
@@ -33,9 +33,9 @@ import torch
 from kev.bank.bank import BankHandle
 from kev.ops.attention.paged_prefix import query_block
 from kev.ops.triton_ops import TritonOps
-from kev.runner import RowBatch, Runner
+from kev.exec.runner import RowBatch, Runner
 from kev.ops.meta import PhasedMeta
-from kev.static_pass import PICKS_PER_ROW, GraphKey, PassKind, StaticPass, SweepKey, joined_indices
+from kev.exec.static_pass import PICKS_PER_ROW, GraphKey, PassKind, StaticPass, SweepKey, joined_indices
 
 
 AnyKey = GraphKey | SweepKey  # a single pass's bucket, or one sweep's

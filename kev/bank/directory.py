@@ -2,7 +2,7 @@
 
 One `Directory` is one namespace: a model served by one bank (`node`). Entries of another node
 live in other GPU memory, so they are never visible here, and a bank only ever evicts its own.
-Every read-modify-write is one Lua script (kev.directory_lua), so it is atomic in Redis.
+Every read-modify-write is one Lua script (kev.bank.directory_lua), so it is atomic in Redis.
 
 Contract with the bank (the source of truth for memory):
 - The bank registers an entry after its state pass, optionally pinning it for the requester in
@@ -33,7 +33,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from kev import directory_lua as lua
+from kev.bank import directory_lua as lua
 
 
 class DirectoryError(Exception):

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kev.checkpoint import FLAT_PREFIX, IGNORED_PREFIXES, NESTED_PREFIX, PathLike, _read_json, expected_shapes
-from kev.config import CheckpointError, ModelConfig
+from kev.model.checkpoint import FLAT_PREFIX, IGNORED_PREFIXES, NESTED_PREFIX, PathLike, _read_json, expected_shapes
+from kev.model.config import CheckpointError, ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -1,5 +1,5 @@
 """Start-up warm-up: every hot kernel compiled and class-tuned through the real model, pools and
-dtypes, before any CUDA-graph capture (`kev.passes` calls it once per process; the benches too).
+dtypes, before any CUDA-graph capture (`kev.exec.passes` calls it once per process; the benches too).
 
 Each class runs its `CLASS_SHAPES` (kev.ops.autotune) through `ClassTuner.tune`, which keeps per
 kernel the config with the least total time over those shapes. Nothing is written to the bank.
@@ -17,7 +17,7 @@ from kev.ops.autotune import CLASS_SHAPES, ClassShape, ShapeClass
 from kev.ops.meta import PassMeta
 
 if TYPE_CHECKING:
-    from kev.runner import Runner
+    from kev.exec.runner import Runner
 
 
 def warm_shapes(cls: ShapeClass, *, row_slot: int = -1, row_prefix: int = 0,

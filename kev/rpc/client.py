@@ -1,7 +1,7 @@
 """Client library for the public `kev.v1.Scorer` API, with document-affinity routing.
 
 Every call carries the `x-kev-doc-key` header: the same document key the Redis directory and
-the bank use (`kev.doc_key.document_key` over the rendered document's token ids), so a
+the bank use (`kev.bank.doc_key.document_key` over the rendered document's token ids), so a
 consistent-hash load balancer (deploy/: Envoy ring hash on that header) sends every repeat of
 a document to the scorer whose bank already holds its state. Computing the key needs the
 model's tokenizer and prompt format, so the client loads them from the checkpoint directory.
@@ -14,10 +14,11 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
-from kev import api, wire
-from kev.checkpoint import find_side_files
-from kev.doc_key import AFFINITY_HEADER, document_key
-from kev.prompts import Delimiters, PromptBuilder
+from kev.request import api
+from kev.rpc import wire
+from kev.model.checkpoint import find_side_files
+from kev.bank.doc_key import AFFINITY_HEADER, document_key
+from kev.request.prompts import Delimiters, PromptBuilder
 from kev.v1 import scorer_pb2_grpc
 
 
