@@ -1,4 +1,4 @@
-"""The load generator's workloads (DESIGN.md section 4): requests of exact token lengths.
+"""The load generator's workloads (docs/design.md section 4): requests of exact token lengths.
 
 Lengths are in tokens of the served tokenizer, as the server counts them, so figures compare
 whatever the tokenizer: a document of N tokens is a state pass of N tokens (`usage.document_tokens`,

@@ -11,7 +11,7 @@ several rows, so each document is read once per step. Here a single pass holds b
 and, per layer, each op computes the documents first, keeps their final states *in the autograd
 graph* (never in the pools), then continues every row from its document's state: the conv's
 last W-1 inputs, the DeltaNet state, the attention keys and values. This is the per-layer
-"document, then its rows" sweep of DESIGN.md section 4, with gradients. Rows read exactly what the
+"document, then its rows" sweep of docs/design.md section 4, with gradients. Rows read exactly what the
 bank would hold, so the outputs equal a state pass + row pass through `TorchOps`
 (tests/test_demo_model.py checks the picked hidden states).
 

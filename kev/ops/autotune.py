@@ -3,7 +3,7 @@
 Triton's `Autotuner` keeps one `.cache` dict per kernel, keyed by the kernel's `key` arguments.
 fla's keys omit the sequence count and length, so whatever call comes first (often a tiny
 warm-up) decides the config of every later pass; measured on the H200, that costs wide passes
-1.1-1.9x (DESIGN.md §3). Here a pass is put into a `ShapeClass` from host ints known when it is
+1.1-1.9x (docs/design.md §3). Here a pass is put into a `ShapeClass` from host ints known when it is
 built (sequence count and token count: rows vs documents, few vs many), and `ClassTuner.use(cls)`
 swaps every hot autotuner's `.cache` for that class's own dict around the pass. The project's own
 kernels also carry log2 (count, length) buckets in their keys (`N_CLASS`, `T_CLASS`); inside a

@@ -1,4 +1,4 @@
-"""Typed request and response of the public scoring API (DESIGN.md section 1).
+"""Typed request and response of the public scoring API (docs/design.md section 1).
 
 These are plain frozen dataclasses with no tensors and no validation: the gRPC layer maps its
 messages onto them one to one, and `kev.request.prompts.validate_and_build` checks them, so every error

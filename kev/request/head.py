@@ -1,6 +1,6 @@
 """The pointer decision head: the one home of its maths and of its file format.
 
-Maths (DESIGN.md section 1). For a question with decide state h_d and option states h_1..h_K (the
+Maths (docs/design.md section 1). For a question with decide state h_d and option states h_1..h_K (the
 backbone's final, normed hidden states at `<decide>` and at each `</opt>`):
 
     q   = W_q h_d + b_q                      [R]   (R = 256 for Kev heads)

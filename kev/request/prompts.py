@@ -1,6 +1,6 @@
 """Prompt rendering: documents and question rows as token ids, and request validation.
 
-Layout (DESIGN.md section 1). The state is `<state>` followed by the document's tokens. A question
+Layout (docs/design.md section 1). The state is `<state>` followed by the document's tokens. A question
 row continues right after the state:
 
     <q>instructions<opt>option 1</opt><opt>option 2</opt> ... <decide>

@@ -140,7 +140,7 @@ def indexed_conv_fwd_kernel(
 
 def shape_class(num_seqs: int, num_tokens: int) -> tuple[int, int]:
     """(sequence-count bucket, mean-length bucket): the autotune cache splits by these, so a
-    tiny first call does not decide the config of wide passes (DESIGN.md, autotune by shape class)."""
+    tiny first call does not decide the config of wide passes (docs/design.md, autotune by shape class)."""
     return max(num_seqs - 1, 0).bit_length(), max(-(-num_tokens // max(num_seqs, 1)) - 1, 0).bit_length()
 
 
