@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kev.bank.shared import SharedBank
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
-from kev.engine import LoadedModel
+from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
 from kev.exec.passes import PassBuilder, PassRole, ServedPasses

@@ -32,7 +32,8 @@ from contextlib import contextmanager
 import torch
 
 from bench.common import kev4b_config, run_info, write_json
-from kev.ops.autotune import CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, graph_bench, hot_autotuners
+from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass
+from kev.ops.autotune import ClassTuner, graph_bench, hot_autotuners
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 

@@ -52,7 +52,7 @@ from tokenizers import Tokenizer
 from kev.request import api
 from kev.rpc import wire
 from kev.model.checkpoint import load_checkpoint
-from kev.engine import answer_rows
+from kev.request.answers import answer_rows
 from kev.request.errors import InvalidRequest
 from kev.request.head import load_head
 from kev.request.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build

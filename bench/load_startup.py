@@ -93,7 +93,7 @@ def warm_plan(workloads: list[Workload], graph_rows: str = "none", graph_docs: s
       `BANK_MAX_PASS_TOKENS`: classify(k, k x chunk) (longdoc's 16,384 / 61,440: 1 x 8,192, docs_few).
     A class missed here is tuned at its first pass: slower, never wrong."""
     from kev.exec.graphs import Buckets
-    from kev.ops.autotune import ShapeClass, classify
+    from kev.ops.shapes import ShapeClass, classify
     from kev.exec.passes import parse_doc_buckets, parse_row_buckets
 
     b = Buckets()

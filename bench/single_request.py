@@ -32,7 +32,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
 from kev.exec.graphs import CapturePolicy, GraphedPasses
-from kev.ops.autotune import ShapeClass, serving_tuner
+from kev.ops.shapes import ShapeClass
+from kev.ops.autotune import serving_tuner
 from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.exec.runner import RowBatch, Runner

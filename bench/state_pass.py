@@ -27,7 +27,8 @@ import torch
 
 from bench.common import cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
-from kev.ops.autotune import ShapeClass, classify, serving_tuner
+from kev.ops.shapes import ShapeClass, classify
+from kev.ops.autotune import serving_tuner
 from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.exec.runner import PEAK_SLACK, Runner

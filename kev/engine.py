@@ -3,8 +3,8 @@
 The flow every deployment shares, in one place:
     prepare (validate + render)  ->  document handles (bank hit, or a new slot)
     ->  one sweep: new documents' state pass and every question row  ->  head  ->  answers
-The scorer service runs the same steps with the bank in another process; `answer_rows` and
-`row_batch_for` are what both use.
+The scorer service runs the same steps with the bank in another process, with the same pieces
+(`kev.loading.LoadedModel`, `kev.request.rows.row_batch_for`, `kev.request.answers`).
 """
 
 from __future__ import annotations
@@ -12,118 +12,20 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
-from kev.request.api import ScoreRequest, ScoreResponse, Usage
 from kev.bank.bank import Bank, BankFull, BankHandle
-from kev.model.checkpoint import load_checkpoint
 from kev.bank.doc_key import document_key
-from kev.request.head import DecisionHead, answers, load_head
-from kev.model.qwen35 import Qwen35Model
-from kev.ops import Ops, get_ops
 from kev.exec.passes import GraphPlan, PassBuilder, PassRole
-from kev.request.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
 from kev.exec.runner import RowBatch
-from kev.exec.transfer import to_device, to_host_later
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """Everything read from a checkpoint directory, ready to run."""
-
-    model_id: str
-    model: Qwen35Model
-    head: DecisionHead
-    builder: PromptBuilder
-
-    @classmethod
-    def load(cls, checkpoint_dir: str | Path, adapter_dir: str | Path | None = None, device: str = "cpu",
-             dtype: torch.dtype | None = None, limits: Limits = Limits()) -> "LoadedModel":
-        dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-        ckpt = load_checkpoint(checkpoint_dir, adapter_dir, dtype=dtype, device=device,
-                               require_head=True, require_tokenizer=True)
-        with torch.device("meta"):  # no random init to throw away: ~20-80 s of CPU for Kev-4B
-            model = Qwen35Model(ckpt.config)
-        model.load_state_dict(ckpt.weights, strict=True, assign=True)  # every parameter is a loaded tensor
-        model = model.to(device).eval()
-        if device == "cpu":
-            model.set_batch_invariant()  # CPU promise: answers bit-identical whatever shares a pass
-        else:
-            model.fuse_projections()  # GPU: one GEMM per layer's input projections
-        delimiters = Delimiters(**ckpt.meta.delimiters) if ckpt.meta.delimiters else Delimiters()
-        builder = PromptBuilder(Tokenizer.from_file(str(ckpt.tokenizer_path)), delimiters, limits)
-        head = load_head(ckpt.head_path, ckpt.config.hidden_size, device=device)
-        return cls(ckpt.meta.model_id, model, head, builder)
-
-
-def row_batch_for(prepared: Sequence[PreparedRequest], handles: Sequence[BankHandle], device) -> RowBatch:
-    """Every question row of every request, each continuing its request's document."""
-    rows, row_handles, lens, picks = [], [], [], []
-    for req, handle in zip(prepared, handles, strict=True):
-        for row in req.rows:
-            rows.append(row.prompt.ids)
-            row_handles.append(handle)
-            lens.append(len(req.document_ids))
-            picks.append([row.prompt.decide_index, *row.prompt.option_end_indices])
-    return RowBatch.build(rows, row_handles, lens, picks, device=device)
-
-
-def answer_rows(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> list[dict]:
-    """Answers per request from the row pass's picked hidden states ([decide, opt ends...] per row)."""
-    return start_answers(head, prepared, hidden).result()
-
-
-@dataclass(eq=False)
-class PendingAnswers:
-    """A pass's head output on its way to the host. `result()` waits for it (on CUDA, for the work
-    queued before it only: a later pass may already run) and builds the answers per request."""
-
-    prepared: Sequence[PreparedRequest]
-    questions: list
-    counts: list[int]
-    probs: torch.Tensor  # [O] fp32 on the host (pinned, filled by a copy behind `ready` on CUDA)
-    ready: torch.cuda.Event | None
-
-    def wait(self) -> None:
-        """Until the probabilities are on the host (no-op on CPU)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-
-    def result(self) -> list[dict]:
-        self.wait()
-        flat = answers(self.questions, self.probs, self.counts)
-        out, k = [], 0
-        for req in self.prepared:
-            out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
-            k += len(req.rows)
-        return out
-
-
-def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> PendingAnswers:
-    """`answer_rows` in two steps: the head is queued on the device here and its output copied to
-    the host without waiting, so the scorer can launch its next pass before it reads this one."""
-    questions, counts, decide_idx, opt_idx = [], [], [], []
-    i = 0
-    for req in prepared:
-        for row in req.rows:
-            n = len(row.prompt.option_end_indices)
-            questions.append(row.question)
-            counts.append(n)
-            decide_idx.append(i)
-            opt_idx.extend(range(i + 1, i + 1 + n))
-            i += 1 + n
-    index = to_device(torch.tensor(decide_idx + opt_idx, dtype=torch.int64), hidden.device)
-    probs = head.probabilities(hidden[index[: len(decide_idx)]], hidden[index[len(decide_idx) :]], counts)
-    host = to_host_later(probs)
-    ready = None
-    if hidden.device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()  # after the copy: waiting on it waits for this pass only
-    return PendingAnswers(prepared, questions, counts, host, ready)
+from kev.loading import LoadedModel
+from kev.ops import Ops, get_ops
+from kev.request.answers import answer_rows
+from kev.request.api import ScoreRequest, ScoreResponse, Usage
+from kev.request.prompts import validate_and_build
+from kev.request.rows import row_batch_for
 
 
 class Engine:

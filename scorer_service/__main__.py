@@ -16,7 +16,7 @@ import time
 
 from grpc_health.v1 import health, health_pb2
 
-from kev.engine import LoadedModel
+from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
 from kev.exec.passes import PassBuilder, PassRole

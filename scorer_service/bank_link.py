@@ -36,7 +36,7 @@ import numpy as np
 from kev.bank.bank import BankHandle
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.bank.doc_key import document_key
-from kev.engine import LoadedModel
+from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.exec.passes import PassBuilder, ServedPasses
 from kev.v1 import bank_pb2, bank_pb2_grpc

@@ -31,7 +31,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kev.engine import PendingAnswers, row_batch_for, start_answers
+from kev.request.answers import PendingAnswers, start_answers
+
+from kev.request.rows import row_batch_for
 from kev.request.head import DecisionHead
 from kev.request.prompts import PreparedRequest
 from scorer_service.bank_link import BankLink, DocLease

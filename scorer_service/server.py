@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kev.request import api
-from kev.engine import LoadedModel
+from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.request.prompts import validate_and_build
 from kev.v1 import scorer_pb2 as pb

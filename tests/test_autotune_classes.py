@@ -23,8 +23,8 @@ from triton.runtime.autotuner import Autotuner
 
 from kev.bank.bank import Bank
 from kev.ops import get_ops
-from kev.ops.autotune import (CLASS_SHAPES, ClassShape, ClassTuner, ShapeClass, classify, classify_cu_seqlens,
-                              classify_lens, hot_autotuners, pick_config)
+from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass, classify, classify_cu_seqlens, classify_lens
+from kev.ops.autotune import ClassTuner, hot_autotuners, pick_config
 from kev.exec.warm_up import warm_shapes, warm_up
 from kev.exec.runner import RowBatch, Runner
 from random_models import random_model, tiny_config

@@ -22,7 +22,7 @@ from kev.bank.bank import Bank, BankHandle
 from kev.bank.shared import attach
 from kev.bank.directory import Directory
 from kev.bank.doc_key import document_key
-from kev.engine import LoadedModel
+from kev.loading import LoadedModel
 from kev.ops import get_ops
 from kev.exec.runner import RowBatch, Runner
 from kev.v1 import bank_pb2 as pb

@@ -67,7 +67,7 @@ def test_loaded_model_is_the_checkpoint_exactly(engine, tmp_path):
     import torch
 
     from kev.model.checkpoint import read_config, read_weights
-    from kev.engine import LoadedModel
+    from kev.loading import LoadedModel
 
     path = make_tiny_checkpoint(tmp_path / "ckpt")
     loaded = LoadedModel.load(path)

@@ -20,7 +20,7 @@ from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
 from kev.exec.passes import parse_row_buckets
 from kev.exec.runner import RowBatch, Runner
-from kev.ops.autotune import ShapeClass
+from kev.ops.shapes import ShapeClass
 from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, pair_chunks, static_chunks
 from random_models import random_model, tiny_config
 from kernel_support import rel_err

@@ -21,7 +21,8 @@ from triton.runtime.autotuner import Autotuner
 from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
 from kev.exec.graphs import Buckets, CapturePolicy, GraphedPasses, largest_first
-from kev.ops.autotune import ClassTuner, ShapeClass, graph_bench
+from kev.ops.shapes import ShapeClass
+from kev.ops.autotune import ClassTuner, graph_bench
 from kev.exec.warm_up import warm_up
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps

@@ -23,7 +23,8 @@ import torch
 from kev.request import api
 from kev.bank.directory import Directory, connect
 from kev.bank.bank import Bank
-from kev.engine import Engine, LoadedModel
+from kev.engine import Engine
+from kev.loading import LoadedModel
 from kev.request.prompts import Limits
 from kev.stack import Stack
 from kev.v1 import bank_pb2, bank_pb2_grpc, scorer_pb2, scorer_pb2_grpc

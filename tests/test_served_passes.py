@@ -17,7 +17,7 @@ from bank_service.config import BankConfig
 from bank_service.config import ConfigError as BankConfigError
 from kev.bank.bank import Bank
 from kev.ops import get_ops
-from kev.ops.autotune import ShapeClass
+from kev.ops.shapes import ShapeClass
 from kev.exec.passes import (DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassBuilder, PassRole, parse_doc_buckets,
                         parse_row_buckets, parse_warm_classes)
 from kev.exec.runner import RowBatch, Runner

@@ -19,7 +19,7 @@ from triton.runtime.autotuner import Autotuner
 from kev.exec import passes as passes_module
 from kev.bank.bank import Bank
 from kev.exec.graphs import largest_first
-from kev.ops.autotune import ShapeClass
+from kev.ops.shapes import ShapeClass
 from kev.ops.triton_ops import TritonOps
 from kev.exec.passes import GraphPlan, PassBuilder, PassRole
 from kev.exec.runner import RowBatch, Runner
@@ -174,7 +174,7 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
     from types import SimpleNamespace
 
     from kev.request.api import Question
-    from kev.engine import answer_rows, start_answers
+    from kev.request.answers import answer_rows, start_answers
     from kev.request.head import DecisionHead
 
     d = served["cfg"].hidden_size

@@ -16,7 +16,8 @@ import torch
 
 from kev.request import api
 from kev.bank.bank import Bank
-from kev.engine import Engine, LoadedModel
+from kev.engine import Engine
+from kev.loading import LoadedModel
 from kev.ops import get_ops
 from kev.exec.passes import GraphPlan, parse_doc_buckets, parse_row_buckets
 from kev.request.prompts import Limits

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kev.ops import channel_blocks
+from kev.ops.utils import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps, l2_normalize

@@ -36,7 +36,8 @@ import torch
 from kev.bank.bank import BankHandle
 from kev.model.qwen35 import Qwen35Model
 from kev.ops import Ops
-from kev.ops.autotune import ClassTuner, ShapeClass, serving_tuner
+from kev.ops.shapes import ShapeClass
+from kev.ops.autotune import ClassTuner, serving_tuner
 from kev.exec.warm_up import warm_up
 from kev.exec.runner import RowBatch, Runner
 from kev.exec.static_pass import PICKS_PER_ROW

@@ -19,7 +19,8 @@ from kev.bank.bank import Bank, BankHandle
 from kev.model.config import ModelConfig
 from kev.model.qwen35 import Qwen35Model
 from kev.ops import Ops, PassMeta
-from kev.ops.autotune import ClassTuner, ShapeClass, classify
+from kev.ops.shapes import ShapeClass, classify
+from kev.ops.autotune import ClassTuner
 from kev.ops.meta import PhasedMeta, host_positions
 from kev.exec.transfer import host_int64, to_device
 

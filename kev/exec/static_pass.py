@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kev.ops.autotune import ShapeClass, classify
+from kev.ops.shapes import ShapeClass, classify
 from kev.ops.meta import PassMeta
 from kev.exec.transfer import copy_in, host_int64
 

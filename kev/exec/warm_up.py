@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kev.ops.autotune import CLASS_SHAPES, ClassShape, ShapeClass
+from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass
 from kev.ops.meta import PassMeta
 
 if TYPE_CHECKING:

@@ -25,8 +25,6 @@ directory; the default model id is the name of the directory they describe (adap
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kev.model.config import CheckpointError, LayerType, ModelConfig
+from kev.model.config import CheckpointError, ModelConfig
+from kev.model.lora import merge_lora
+from kev.model.weight_names import FLAT_PREFIX, IGNORED_PREFIXES, NESTED_PREFIX, PathLike, expected_shapes, read_json
 
 __all__ = [
     "Checkpoint",
@@ -53,84 +53,13 @@ HEAD_FILE = "head.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "kev.json"
 
-# Parts of published checkpoints that serving never runs.
-IGNORED_PREFIXES = ("model.visual.", "mtp.", "lm_head.")
-FLAT_PREFIX = "model."
-NESTED_PREFIX = "model.language_model."
-
 # Prompt delimiters a kev.json may override (DESIGN §1 gives the defaults).
 DELIMITER_ROLES = ("state", "q", "opt", "opt_end", "decide")
-
-PathLike = str | os.PathLike[str]
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every backbone tensor's name and shape: the one definition the loader and the model share."""
-    d, f = config.hidden_size, config.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, d)}
-    for i, kind in enumerate(config.layer_types):
-        p = f"layers.{i}."
-        if kind is LayerType.DELTANET:
-            hv, vd = config.linear_num_value_heads, config.linear_value_dim
-            la = p + "linear_attn."
-            shapes |= {
-                la + "in_proj_qkv.weight": (config.conv_dim, d),  # all q, then all k, then all v
-                la + "in_proj_z.weight": (vd, d),
-                la + "in_proj_b.weight": (hv, d),
-                la + "in_proj_a.weight": (hv, d),
-                la + "conv1d.weight": (config.conv_dim, 1, config.conv_kernel),
-                la + "A_log": (hv,),
-                la + "dt_bias": (hv,),
-                la + "norm.weight": (config.linear_value_head_dim,),
-                la + "out_proj.weight": (d, vd),
-            }
-        else:
-            q = config.num_attention_heads * config.head_dim
-            kv = config.num_key_value_heads * config.head_dim
-            sa = p + "self_attn."
-            # q_proj yields query and gate interleaved per head, hence 2 * q rows.
-            shapes |= {
-                sa + "q_proj.weight": (2 * q, d),
-                sa + "k_proj.weight": (kv, d),
-                sa + "v_proj.weight": (kv, d),
-                sa + "o_proj.weight": (d, q),
-                sa + "q_norm.weight": (config.head_dim,),
-                sa + "k_norm.weight": (config.head_dim,),
-            }
-            if config.attention_bias:
-                shapes |= {
-                    sa + "q_proj.bias": (2 * q,),
-                    sa + "k_proj.bias": (kv,),
-                    sa + "v_proj.bias": (kv,),
-                    sa + "o_proj.bias": (d,),
-                }
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-    shapes["norm.weight"] = (d,)
-    return shapes
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
 
 def read_config(checkpoint_dir: PathLike) -> ModelConfig:
     """Parse `config.json`; also checks the head ratios the kernels rely on."""
     path = Path(checkpoint_dir) / CONFIG_FILE
-    config = ModelConfig.from_dict(_read_json(path), source=str(path))
+    config = ModelConfig.from_dict(read_json(path), source=str(path))
     if config.linear_num_value_heads % config.linear_num_key_heads:
         raise CheckpointError(
             f"{path}: linear_num_value_heads {config.linear_num_value_heads} is not a multiple of "
@@ -160,7 +89,7 @@ def _weight_files(checkpoint_dir: Path) -> dict[Path, set[str] | None]:
         )
         hint = f" (found {pickles}: pickled weights are never loaded, convert them to safetensors)" if pickles else ""
         raise CheckpointError(f"{single}: weight file not found, nor {INDEX_FILE}{hint}")
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: needs a non-empty 'weight_map' object of tensor name -> file")
     promised: dict[Path, set[str]] = {}
@@ -258,7 +187,7 @@ class Checkpoint:
 def _read_meta(path: Path | None, default_id: str) -> CheckpointMeta:
     if path is None:
         return CheckpointMeta(model_id=default_id)
-    raw = _read_json(path)
+    raw = read_json(path)
     if unknown := sorted(set(raw) - {"model_id", "delimiters"}):
         raise CheckpointError(f"{path}: unknown field {unknown[0]!r} (known: model_id, delimiters)")
     model_id = raw.get("model_id", default_id)
@@ -322,7 +251,6 @@ def load_checkpoint(
     if adapter is None:
         weights = read_weights(checkpoint_dir, config, dtype=dtype, device=device)
     else:
-        from kev.model.lora import merge_lora  # kev.model.lora builds on this module; import here, not at the top
 
         # fp32 until the merge is done, then one rounding per tensor (DESIGN §1).
         merged = merge_lora(read_weights(checkpoint_dir, config), adapter, config)

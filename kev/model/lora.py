@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kev.model.checkpoint import FLAT_PREFIX, IGNORED_PREFIXES, NESTED_PREFIX, PathLike, _read_json, expected_shapes
+from kev.model.weight_names import FLAT_PREFIX, IGNORED_PREFIXES, NESTED_PREFIX, PathLike, expected_shapes, read_json
 from kev.model.config import CheckpointError, ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -66,7 +66,7 @@ class LoraSpec:
 
 def read_adapter_config(adapter_dir: PathLike) -> LoraSpec:
     path = Path(adapter_dir) / ADAPTER_CONFIG
-    raw = _read_json(path)
+    raw = read_json(path)
     if raw.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path}: peft_type {raw['peft_type']!r} is not supported (only LORA)")
     for key, defaults in _UNSUPPORTED.items():

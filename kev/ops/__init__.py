@@ -14,20 +14,7 @@ from typing import Protocol
 
 import torch
 
-from kev.ops.fused import output_like
 from kev.ops.meta import HostMeta, PassMeta
-
-
-def channel_blocks(y: torch.Tensor, split: int | None, out=None):
-    """`causal_conv`'s return for ops whose output is one [T, C] tensor: itself (split None), or
-    its channels [0, split) and [split, C) as two views (only the GPU kernels need them contiguous);
-    with `out` (as `causal_conv` returns it), y copied there."""
-    blocks = y if split is None else (y[:, :split], y[:, split:])
-    if out is None:
-        return blocks
-    for dst, src in zip((out,) if split is None else out, (blocks,) if split is None else blocks):
-        output_like(src, dst).copy_(src)  # checked as the kernels check theirs
-    return out
 
 
 class Ops(Protocol):

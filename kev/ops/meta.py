@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kev.ops.autotune import ShapeClass
+    from kev.ops.shapes import ShapeClass
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +46,7 @@ class PassMeta:
     def pass_class(self, num_tokens: int) -> ShapeClass:
         """The autotune class of this pass of `num_tokens` tokens (host ints only, no device read):
         the one its runner tunes under, so a kernel choice by class stays inside warmed caches."""
-        from kev.ops.autotune import classify
+        from kev.ops.shapes import classify
 
         return self.shape_class if self.shape_class is not None else classify(self.num_seqs, num_tokens)
 

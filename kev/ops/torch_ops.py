@@ -9,13 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kev.ops import channel_blocks
+from kev.ops.utils import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
 from kev.ops.fused.reference import ReferenceElementwise
+from kev.ops.attention.naive import paged_attention_reference, store_own
 from kev.ops.meta import PassMeta
-
-QUERY_BLOCK = 256
-
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -60,46 +58,10 @@ class TorchOps(ReferenceElementwise):
         return out.to(v.dtype)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
-        Hq, D = q.shape[1], q.shape[2]
-        group = Hq // k.shape[1]
-        BS = key_pages.shape[1]
-        out = torch.empty_like(q)
-        tables = meta.block_table.tolist()
-        for n, s, e, read, write, prefix in meta.host.seqs():
-            L = e - s
-            pages = [p for p in tables[n][: (prefix + L + BS - 1) // BS]]
-            if prefix > 0:
-                idx = torch.tensor(pages[: (prefix + BS - 1) // BS], device=q.device)
-                pk = key_pages[idx].flatten(0, 1)[:prefix].to(q.dtype)  # [prefix, Hkv, D]
-                pv = value_pages[idx].flatten(0, 1)[:prefix].to(q.dtype)
-                keys, values = torch.cat([pk, k[s:e]]), torch.cat([pv, v[s:e]])
-            else:
-                keys, values = k[s:e], v[s:e]
-            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, P+L, D]
-            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
-            # Query blocks keep the score matrix small for 64k-token documents.
-            for b in range(0, L, QUERY_BLOCK):
-                bl, visible = min(QUERY_BLOCK, L - b), prefix + min(b + QUERY_BLOCK, L)
-                qb = q[s + b : s + b + bl].transpose(0, 1)  # [Hq, bl, D]
-                scores = (qb @ keys[:, :visible].transpose(1, 2)).float() * D**-0.5  # [Hq, bl, visible]
-                mask = torch.ones(bl, visible, dtype=torch.bool, device=q.device).tril(prefix + b)
-                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
-                out[s + b : s + b + bl] = (probs @ values[:, :visible]).transpose(0, 1)
-            if write >= 0:
-                _store_own(k[s:e], v[s:e], pages, prefix, key_pages, value_pages)
-        return out
+        return paged_attention_reference(q, k, v, meta, key_pages, value_pages)
 
     def store_kv(self, k, v, meta: PassMeta, key_pages, value_pages, group=1):
         tables = meta.block_table.tolist()
         for n, s, e, _, write, prefix in meta.host.seqs():
             if write >= 0:
-                _store_own(k[s:e], v[s:e], tables[n], prefix, key_pages, value_pages)
-
-
-def _store_own(k, v, pages: list[int], prefix: int, key_pages, value_pages) -> None:
-    """One sequence's own K/V [L, Hkv, D] into its pages at positions prefix .. prefix + L - 1."""
-    BS = key_pages.shape[1]
-    pos = torch.arange(prefix, prefix + k.shape[0], device=k.device)
-    page = torch.tensor(pages, device=k.device)[pos // BS]
-    key_pages[page, pos % BS] = k.detach().to(key_pages.dtype)
-    value_pages[page, pos % BS] = v.detach().to(value_pages.dtype)
+                store_own(k[s:e], v[s:e], tables[n], prefix, key_pages, value_pages)

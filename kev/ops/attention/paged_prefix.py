@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
-from kev.ops.autotune import ShapeClass, classify
-from kev.ops.conv.indexed_conv import shape_class
+from kev.ops.shapes import ShapeClass, classify
+from kev.ops.utils import shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
 # and break bit-identical results across configs. NV (value splits) is tuned: NV programs of one

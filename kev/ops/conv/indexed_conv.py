@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
+from kev.ops.utils import preserve_written_slots, shape_class
+
 CONV_CHUNK = 64  # tokens per program: the same chunking as the delta rule, so one chunk_indices serves both
 
 # BS tokens per inner step keep the register tile small: a [64, BC] fp32 tile per tap spilled
@@ -136,31 +138,6 @@ def indexed_conv_fwd_kernel(
         tl.debug_barrier()  # every read of the start state is done before the (maybe same) slot is written
         p_q = out_pool + tl.maximum(b_write, 0) * stride_q_s + o_c[None, :] * stride_q_c + o_w[:, None] * stride_q_w
         tl.store(p_q, b_f.to(out_pool.dtype.element_ty), mask=m_w[:, None] & m_c[None, :])
-
-
-def shape_class(num_seqs: int, num_tokens: int) -> tuple[int, int]:
-    """(sequence-count bucket, mean-length bucket): the autotune cache splits by these, so a
-    tiny first call does not decide the config of wide passes (docs/design.md, autotune by shape class)."""
-    return max(num_seqs - 1, 0).bit_length(), max(-(-num_tokens // max(num_seqs, 1)) - 1, 0).bit_length()
-
-
-def preserve_written_slots(pool_arg: str, slots_arg: str):
-    """Autotune (pre_hook, post_hook) that put back the slots a benchmark run overwrote.
-
-    A sequence may read and write the same slot (a long document continuing in place); every
-    benchmark run would otherwise start from the previous run's final state. Only the N written
-    slots are saved (never the pool); a negative index saves and restores slot 0 unchanged."""
-
-    def pre_hook(nargs, reset_only=False):
-        if not reset_only:
-            idx = nargs[slots_arg].clamp(min=0)
-            nargs["_kev_saved_slots"] = (idx, nargs[pool_arg].index_select(0, idx))
-
-    def post_hook(nargs, exception):
-        idx, saved = nargs.pop("_kev_saved_slots")
-        nargs[pool_arg].index_copy_(0, idx, saved)
-
-    return pre_hook, post_hook
 
 
 _tuned_conv_kernel = triton.autotune(configs=CONV_CONFIGS, key=["C", "N_CLASS", "T_CLASS"],

@@ -34,7 +34,7 @@ from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from kev.ops.conv.indexed_conv import preserve_written_slots, shape_class
+from kev.ops.utils import preserve_written_slots, shape_class
 
 # (first sequence, end sequence) -> (pool, read slots [n1 - n0]) the sequences' state passes start from
 StartStates = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]

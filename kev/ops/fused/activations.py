@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kev.ops.fused import output_like
+from kev.ops.utils import output_like
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kev.ops.fused import output_like
+from kev.ops.utils import output_like
 
 
 @triton.jit(do_not_specialize=["R"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kev.ops.invariant import sigmoid, silu, softplus
-from kev.ops.fused import output_like
+from kev.ops.utils import output_like
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
