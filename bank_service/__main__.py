@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -11,6 +10,7 @@ import threading
 
 from bank_service.config import BankConfig, ConfigError
 from bank_service.server import BankService
+from kev.serving.settings import log_settings
 
 log = logging.getLogger("bank_service")
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("bad settings: %s", e)
         return 2
-    log.info("config %s", json.dumps(config.redacted(), sort_keys=True))
+    log_settings(log, config)
     stop = threading.Event()
 
     def on_signal(signum, _frame):

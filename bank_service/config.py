@@ -5,42 +5,44 @@ KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_LEASE_SECO
 settings KEV_GRAPH_DOCS, KEV_MAX_GRAPHS and KEV_WARM_CLASSES (their flags, --graph-docs, --max-graphs and
 --warm-classes, override).
 Tuning knobs that deployments rarely change are command-line flags (`python -m bank_service
---help`). Nothing else in the service reads the environment.
+--help`). Nothing else in the service reads the environment; the loading, the flags and the logged
+form are kev/serving/settings.py's, the fields and their checks are here.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
-from kev.exec.passes import DEFAULT_DOC_BUCKETS, GraphPlan, parse_doc_buckets, parse_warm_classes
+from kev.exec.plan import DEFAULT_DOC_BUCKETS, GraphPlan
+from kev.serving import settings
+from kev.serving.settings import ConfigError, env_field, flag_field
 
-
-class ConfigError(ValueError):
-    """A setting is missing or malformed (the message names the variable or flag)."""
+__all__ = ["BankConfig", "ConfigError"]
 
 
 @dataclass(frozen=True)
 class BankConfig:
-    checkpoint: Path  # KEV_CHECKPOINT
-    device: str  # KEV_DEVICE: "cpu" or "cuda" / "cuda:N"
-    memory_bytes: int  # KEV_BANK_MEMORY_BYTES: recurrent + conv + paged K/V pools
-    redis_url: str  # KEV_REDIS_URL
-    adapter: Path | None = None  # KEV_ADAPTER
-    listen: str = "0.0.0.0:50052"  # KEV_BANK_LISTEN
-    metrics_port: int = 9091  # KEV_METRICS_PORT, 0 = no metrics server
-    lease_seconds: float = 30.0  # KEV_LEASE_SECONDS: default pin lease (and the post-restart protective pin)
+    # Environment only (docs/settings.md)
+    checkpoint: Path = env_field("KEV_CHECKPOINT", flag=False)
+    device: str = env_field("KEV_DEVICE", flag=False)  # "cpu" or "cuda" / "cuda:N"
+    memory_bytes: int = env_field("KEV_BANK_MEMORY_BYTES", flag=False)  # recurrent + conv + paged K/V pools
+    redis_url: str = env_field("KEV_REDIS_URL", flag=False)
+    adapter: Path | None = env_field("KEV_ADAPTER", None, flag=False)
+    listen: str = env_field("KEV_BANK_LISTEN", "0.0.0.0:50052", flag=False)
+    metrics_port: int = env_field("KEV_METRICS_PORT", 9091, flag=False)  # 0 = no metrics server
+    # default pin lease (and the post-restart protective pin)
+    lease_seconds: float = env_field("KEV_LEASE_SECONDS", 30.0, flag=False)
+    # Environment, the flag of the same name overrides: CUDA graphs (kev/exec/passes.py)
+    graph_docs: str = env_field("KEV_GRAPH_DOCS", DEFAULT_DOC_BUCKETS)  # state buckets (DxL) captured at start-up
+    max_graphs: int = env_field("KEV_MAX_GRAPHS", 24)  # CUDA graphs kept (LRU); 0: none
+    warm_classes: str = env_field("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up ("all", "none", a list)
     # Flags
-    node: str = ""  # directory namespace of this bank; default: the host name
-    ops: str = ""  # kev.ops backend for state passes ("torch" | "triton"); "": torch on CPU, triton on CUDA
-    graph_docs: str = DEFAULT_DOC_BUCKETS  # KEV_GRAPH_DOCS: state buckets (DxL) captured at start-up on CUDA
-    max_graphs: int = 24  # KEV_MAX_GRAPHS: CUDA graphs kept (LRU); 0: none
-    warm_classes: str = "all"  # KEV_WARM_CLASSES: autotune classes warmed at start-up on CUDA ("all", "none", a list)
+    node: str = ""  # directory namespace of this bank; default (from_env): the host name
+    ops: str = flag_field("", choices=("torch", "triton"))  # kev.ops backend; "": torch on CPU, triton on CUDA
     block_size: int = 64  # tokens per paged K/V block
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)
@@ -70,19 +72,7 @@ class BankConfig:
             raise ConfigError(f"KEV_LEASE_SECONDS must be in (0, {self.max_lease_seconds}], got {self.lease_seconds}")
         if self.ops not in ("", "torch", "triton"):
             raise ConfigError(f"--ops must be 'torch' or 'triton', got {self.ops!r}")
-        if self.max_graphs < 0:
-            raise ConfigError(f"KEV_MAX_GRAPHS must be >= 0, got {self.max_graphs}")
-        try:
-            docs = parse_doc_buckets(self.graph_docs)
-        except ValueError as e:
-            raise ConfigError(f"KEV_GRAPH_DOCS: {e}") from None
-        if self.max_graphs and len(docs) > self.max_graphs:
-            raise ConfigError(f"KEV_GRAPH_DOCS names {len(docs)} buckets, "
-                              f"more than KEV_MAX_GRAPHS={self.max_graphs}")
-        try:
-            parse_warm_classes(self.warm_classes)
-        except ValueError as e:
-            raise ConfigError(f"KEV_WARM_CLASSES: {e}") from None
+        self.graph_plan  # noqa: B018 - raises ConfigError on bad graph settings
         if not self.node or any(c in self.node for c in "{}@"):
             raise ConfigError(f"--node must be non-empty without '{{', '}}' or '@', got {self.node!r}")
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens",
@@ -96,47 +86,9 @@ class BankConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> "BankConfig":
-        def need(name: str) -> str:
-            value = env.get(name, "")
-            if not value:
-                raise ConfigError(f"{name} is required")
-            return value
-
-        def number(name: str, value: str, kind=int):
-            try:
-                return kind(value)
-            except ValueError:
-                raise ConfigError(f"{name} must be a number, got {value!r}") from None
-
-        p = argparse.ArgumentParser(prog="python -m bank_service", description="Kev bank service (see docs/settings.md)")
-        d = cls.__dataclass_fields__
-        p.add_argument("--node", default=socket.gethostname())
-        p.add_argument("--ops", default=d["ops"].default, choices=("torch", "triton"))
-        p.add_argument("--graph-docs", default=env.get("KEV_GRAPH_DOCS", "") or d["graph_docs"].default)
-        p.add_argument("--max-graphs", default=env.get("KEV_MAX_GRAPHS", "") or str(d["max_graphs"].default))
-        p.add_argument("--warm-classes", default=env.get("KEV_WARM_CLASSES", "") or d["warm_classes"].default)
-        for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens", "max_pass_documents",
-                     "grpc_workers", "torch_threads"):
-            p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
-        for name in ("max_wait_ms", "full_wait_ms", "max_lease_seconds", "epoch_check_s", "grace_s",
-                     "switch_interval_ms"):
-            p.add_argument("--" + name.replace("_", "-"), type=float, default=d[name].default)
-        p.add_argument("--shm-dir", type=Path, default=d["shm_dir"].default)
-        flags = vars(p.parse_args(list(argv)))
-        flags["max_graphs"] = number("KEV_MAX_GRAPHS", flags["max_graphs"])
-
-        adapter = env.get("KEV_ADAPTER", "")
-        return cls(
-            checkpoint=Path(need("KEV_CHECKPOINT")),
-            device=need("KEV_DEVICE"),
-            memory_bytes=number("KEV_BANK_MEMORY_BYTES", need("KEV_BANK_MEMORY_BYTES")),
-            redis_url=need("KEV_REDIS_URL"),
-            adapter=Path(adapter) if adapter else None,
-            listen=env.get("KEV_BANK_LISTEN", "") or d["listen"].default,
-            metrics_port=number("KEV_METRICS_PORT", env.get("KEV_METRICS_PORT", "") or str(d["metrics_port"].default)),
-            lease_seconds=number("KEV_LEASE_SECONDS", env.get("KEV_LEASE_SECONDS", "") or "30", float),
-            **flags,
-        )
+        return settings.load_settings(cls, env, list(argv), prog="python -m bank_service",
+                                      description="Kev bank service (see docs/settings.md)",
+                                      defaults={"node": socket.gethostname()})
 
     @property
     def ops_backend(self) -> str:
@@ -146,15 +98,9 @@ class BankConfig:
     @property
     def graph_plan(self) -> GraphPlan:
         """What the state passes capture on CUDA (ignored on CPU)."""
-        return GraphPlan(rows=(), docs=parse_doc_buckets(self.graph_docs), max_graphs=self.max_graphs,
-                         warm=parse_warm_classes(self.warm_classes))
+        return settings.graph_plan(graph_docs=self.graph_docs, max_graphs=self.max_graphs,
+                                   warm_classes=self.warm_classes)
 
     def redacted(self) -> dict:
         """Every field for the start-up log, with the Redis password masked."""
-        out = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
-        parts = urlsplit(self.redis_url)
-        if parts.password:
-            netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-            out["redis_url"] = urlunsplit(parts._replace(netloc=netloc))
-        out["ops_backend"] = self.ops_backend
-        return out
+        return settings.redacted(self, ops_backend=self.ops_backend)

@@ -18,8 +18,10 @@ from grpc_health.v1 import health, health_pb2
 
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
+from kev.serving.settings import log_settings
 from kev.ops import get_ops
-from kev.exec.passes import PassBuilder, PassRole
+from kev.exec.plan import PassRole
+from kev.exec.passes import PassBuilder
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("bad settings: %s", e)
         return 2
-    config.log()
+    log_settings(log, config)
     set_switch_interval(config.switch_interval_ms)
     start = time.perf_counter()
     loaded = LoadedModel.load(config.checkpoint, config.adapter, device=config.device, limits=config.limits)

@@ -3,37 +3,29 @@
 Every `KEV_*` variable the scorer reads is read here and nowhere else (docs/settings.md lists
 them); a flag named after the field (`--max-rows-per-pass` for `KEV_MAX_ROWS_PER_PASS`) overrides
 the environment. Knobs deployments rarely change are flags only. The result is logged at start-up
-and passed down explicitly.
+and passed down explicitly. The loading, the flags and the logged form are kev/serving/settings.py's;
+the fields and their checks are here.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
 
-from kev.exec.passes import DEFAULT_ROW_BUCKETS, GraphPlan, parse_row_buckets, parse_warm_classes
+from kev.exec.plan import DEFAULT_ROW_BUCKETS, GraphPlan
 from kev.request.prompts import Limits
+from kev.serving import settings
+from kev.serving.settings import ConfigError, env_field as _env
 
-log = logging.getLogger(__name__)
+__all__ = ["ConfigError", "ScorerConfig", "TRANSPORT_LIMIT_FACTOR"]
 
 # gRPC's own limit is this many times the request limit: requests between the two are received
 # and answered INVALID_ARGUMENT naming the biggest field; beyond it the transport refuses them
 # (RESOURCE_EXHAUSTED) before the server sees a byte, which protects the process's memory.
 TRANSPORT_LIMIT_FACTOR = 4
 OPS_BACKENDS = ("torch", "triton", "gathered")  # kev.ops.get_ops names
-
-
-class ConfigError(ValueError):
-    """A setting is missing or invalid (names the variable)."""
-
-
-def _env(name: str, default=MISSING):
-    return field(default=default, metadata={"env": name})
 
 
 @dataclass(frozen=True)
@@ -86,18 +78,7 @@ class ScorerConfig:
             raise ConfigError("KEV_LEASE_SECONDS and --bank-timeout-s must be > 0")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"KEV_METRICS_PORT must be 0-65535, got {self.metrics_port}")
-        if self.max_graphs < 0:
-            raise ConfigError(f"KEV_MAX_GRAPHS must be >= 0, got {self.max_graphs}")
-        try:
-            rows = parse_row_buckets(self.graph_rows)
-        except ValueError as e:
-            raise ConfigError(f"KEV_GRAPH_ROWS: {e}") from None
-        if self.max_graphs and len(rows) > self.max_graphs:
-            raise ConfigError(f"KEV_GRAPH_ROWS names {len(rows)} buckets, more than KEV_MAX_GRAPHS={self.max_graphs}")
-        try:
-            parse_warm_classes(self.warm_classes)
-        except ValueError as e:
-            raise ConfigError(f"KEV_WARM_CLASSES: {e}") from None
+        self.graph_plan  # noqa: B018 - raises ConfigError on bad graph settings
 
     @property
     def ops_backend(self) -> str:
@@ -110,8 +91,8 @@ class ScorerConfig:
     @property
     def graph_plan(self) -> GraphPlan:
         """What the row passes capture on CUDA (ignored on CPU)."""
-        return GraphPlan(rows=parse_row_buckets(self.graph_rows), docs=(), max_graphs=self.max_graphs,
-                         max_rows_per_pass=self.max_rows_per_pass, warm=parse_warm_classes(self.warm_classes))
+        return settings.graph_plan(graph_rows=self.graph_rows, max_graphs=self.max_graphs,
+                                   warm_classes=self.warm_classes, max_rows_per_pass=self.max_rows_per_pass)
 
     @property
     def document_limit(self) -> int:
@@ -131,51 +112,9 @@ class ScorerConfig:
 
     def redacted(self) -> dict:
         """The settings as logged: the Redis password is masked."""
-        out = asdict(self)
-        parts = urlsplit(self.redis_url)
-        if parts.password:
-            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-            out["redis_url"] = urlunsplit(parts._replace(netloc=netloc))
-        out["ops_backend"] = self.ops_backend
-        out["document_limit"] = self.document_limit
-        return out
+        return settings.redacted(self, ops_backend=self.ops_backend, document_limit=self.document_limit)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> "ScorerConfig":
-        environ = os.environ if environ is None else environ
-        parser = argparse.ArgumentParser(prog="python -m scorer_service", description="Kev scorer service")
-        for f in fields(cls):
-            env = env_name(f)
-            default = "-" if f.default is MISSING else f.default
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
-                                default=environ.get(env) if env else None,
-                                help=f"{'env ' + env + '; ' if env else ''}default {default}")
-        args = vars(parser.parse_args(argv))
-        values = {}
-        for f in fields(cls):
-            raw = args[f.name]
-            if raw is None or raw == "":
-                if f.default is MISSING:
-                    raise ConfigError(f"{env_name(f) or '--' + f.name.replace('_', '-')} is required")
-                continue
-            values[f.name] = _parse(env_name(f) or "--" + f.name.replace("_", "-"), f.type, raw)
-        return cls(**values)
-
-    def log(self) -> None:
-        log.info("scorer config: %s", self.redacted())
-
-
-def env_name(f) -> str | None:
-    return f.metadata.get("env")
-
-
-def _parse(env: str, kind: object, raw: str) -> object:
-    kind = str(kind)  # annotations are strings (from __future__ import annotations)
-    try:
-        if kind == "int":
-            return int(raw)
-        if kind == "float":
-            return float(raw)
-    except ValueError:
-        raise ConfigError(f"{env}: {raw!r} is not a {kind}") from None
-    return raw
+        return settings.load_settings(cls, os.environ if environ is None else environ, argv,
+                                      prog="python -m scorer_service", description="Kev scorer service")
