@@ -31,9 +31,11 @@ from collections.abc import Callable, Sequence
 from kev.bank.bank import Bank, BankFull, BankHandle
 from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
 from kev.bank.doc_key import document_key
-from kev.exec.passes import ServedPasses
+from kev.exec.passes import Passes
 
-from bank_service.jobs import Acquired, AcquireFailed, Job, LiveEntry, Reason, Waiter
+from kev.serving.errors import DeadlineExceeded, Exhausted, Internal, ServiceError, Unavailable
+
+from bank_service.jobs import Acquired, Job, LiveEntry, Waiter
 from bank_service.metrics import BankMetrics
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ SPACE_RETRY_S = 0.01
 
 
 class Acquirer:
-    def __init__(self, passes: ServedPasses, bank: Bank, directory: Directory, metrics: BankMetrics, *,
+    def __init__(self, passes: Passes, bank: Bank, directory: Directory, metrics: BankMetrics, *,
                  lease_s: float, max_wait_s: float, max_pass_tokens: int, max_pass_documents: int,
                  epoch_check_s: float, full_wait_s: float = 0.0):
         self.passes, self.bank, self.directory, self.metrics = passes, bank, directory, metrics
@@ -83,7 +85,7 @@ class Acquirer:
         with self._cv:
             jobs, self._queue = list(self._queue), deque()
         for job in jobs:
-            self._fail(job, AcquireFailed(Reason.UNAVAILABLE, "the bank is shutting down"))
+            self._fail(job, Unavailable("the bank is shutting down"))
 
     # -- callers' side ------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ class Acquirer:
         try:
             lease = self.directory.lookup_and_pin(doc_key, lease_s)
         except DirectoryUnavailable as e:
-            raise AcquireFailed(Reason.UNAVAILABLE, str(e)) from e
+            raise Unavailable(str(e)) from e
         if lease is not None:
             handle = BankHandle(lease.slot, lease.generation)
             with self._lock:
@@ -116,7 +118,7 @@ class Acquirer:
             if not is_active() or (deadline is not None and time.monotonic() > deadline):
                 if (late := waiter.abandon()) is not None:
                     self._release_quietly(late.lease.lease_id)
-                raise AcquireFailed(Reason.DEADLINE_EXCEEDED, "gave up waiting for the state pass")
+                raise DeadlineExceeded("gave up waiting for the state pass")
         if waiter.error is not None:
             raise waiter.error
         assert waiter.result is not None
@@ -132,7 +134,7 @@ class Acquirer:
         try:
             return self.directory.release(lease_id)
         except DirectoryUnavailable as e:
-            raise AcquireFailed(Reason.UNAVAILABLE, str(e)) from e
+            raise Unavailable(str(e)) from e
 
     def request_reconcile(self) -> None:
         with self._cv:
@@ -149,7 +151,7 @@ class Acquirer:
     def _submit(self, doc_key: str, tokens: list[int], waiter: Waiter) -> None:
         with self._cv:
             if self._stopping:
-                raise AcquireFailed(Reason.UNAVAILABLE, "the bank is shutting down")
+                raise Unavailable("the bank is shutting down")
             job = self._pending.get(doc_key)
             if job is None:  # the first Acquire of this document since its last pass
                 job = self._pending[doc_key] = Job(doc_key, tokens, time.monotonic())
@@ -184,7 +186,7 @@ class Acquirer:
             except Exception as e:  # noqa: BLE001 - the worker must survive; its jobs learn why
                 log.exception("state-pass worker failed")
                 for job in batch:
-                    self._fail(job, AcquireFailed(Reason.INTERNAL, f"bank worker error: {e}"))
+                    self._fail(job, Internal(f"bank worker error: {e}"))
 
     def _take_batch(self) -> list[Job]:
         """Called with _cv held: waits up to max_wait after the oldest arrival, then takes jobs
@@ -218,7 +220,7 @@ class Acquirer:
             if batch:
                 log.warning("directory unavailable: %s", e)
             for job in batch:
-                self._fail(job, AcquireFailed(Reason.UNAVAILABLE, str(e)))
+                self._fail(job, Unavailable(str(e)))
             return
         passes: list[tuple[Job, BankHandle]] = []
         full: list[Job] = []
@@ -233,7 +235,7 @@ class Acquirer:
             except BankFull:
                 full.append(job)
             except DirectoryUnavailable as e:
-                self._fail(job, AcquireFailed(Reason.UNAVAILABLE, str(e)))
+                self._fail(job, Unavailable(str(e)))
         self._hold_for_space(full)
         if not passes:
             return
@@ -246,7 +248,7 @@ class Acquirer:
             log.exception("state pass failed")
             for job, handle in passes:
                 self.bank.free(handle)
-                self._fail(job, AcquireFailed(Reason.INTERNAL, f"state pass failed: {e}"))
+                self._fail(job, Internal(f"state pass failed: {e}"))
             return
         m, end = self.metrics, time.perf_counter()
         m.state_pass_seconds.observe(end - start)
@@ -269,10 +271,9 @@ class Acquirer:
         with self._cv:  # the checks and the drop under one lock: no caller joins in between
             for job in jobs:
                 if all(w.abandoned for w in job.waiters):
-                    self._fail(job, AcquireFailed(Reason.DEADLINE_EXCEEDED, "every caller gave up"))
+                    self._fail(job, DeadlineExceeded("every caller gave up"))
                 elif now - job.enqueued >= self.full_wait_s:
-                    self._fail(job, AcquireFailed(Reason.RESOURCE_EXHAUSTED,
-                                                  f"bank full, every entry pinned for {self.full_wait_s:g} s"))
+                    self._fail(job, Exhausted(f"bank full, every entry pinned for {self.full_wait_s:g} s"))
                 else:
                     keep.append(job)
             if keep:
@@ -337,15 +338,14 @@ class Acquirer:
             if isinstance(e, DirectoryConflict):
                 log.error("registering %s at %s: %s", job.doc_key, h, e)
                 self.request_reconcile()
-            reason = Reason.UNAVAILABLE
             for waiter in active:
-                waiter.fail(AcquireFailed(reason, f"directory: {e}"))
+                waiter.fail(Unavailable(f"directory: {e}"))
             if not registered:  # nobody can reach the state: give the slot back
                 with self._lock:
                     self._live.pop(job.doc_key, None)
                 self.bank.free(h)
 
-    def _fail(self, job: Job, error: AcquireFailed) -> None:
+    def _fail(self, job: Job, error: ServiceError) -> None:
         with self._cv:
             waiters = job.waiters
             job.waiters = []

@@ -1,29 +1,15 @@
-"""What Acquire calls wait on: outcomes, failures with their reason, and the pending-job records
-the state-pass worker resolves (kept apart from the worker so its flow reads on its own)."""
+"""What Acquire calls wait on: outcomes, failures (kev.serving.errors, each with its gRPC status),
+and the pending-job records the state-pass worker resolves (kept apart from the worker so its flow
+reads on its own)."""
 
 from __future__ import annotations
 
-import enum
 import threading
 from dataclasses import dataclass, field
 
 from kev.bank.bank import BankHandle
 from kev.bank.directory import Lease
-
-
-class Reason(enum.Enum):
-    INVALID_ARGUMENT = "invalid_argument"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-    UNAVAILABLE = "unavailable"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    INTERNAL = "internal"
-
-
-class AcquireFailed(Exception):
-    def __init__(self, reason: Reason, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+from kev.serving.errors import ServiceError
 
 
 @dataclass(frozen=True)
@@ -48,7 +34,7 @@ class Waiter:
         self.lease_s = lease_s
         self.done = threading.Event()
         self.result: Acquired | None = None
-        self.error: AcquireFailed | None = None
+        self.error: ServiceError | None = None
         self._abandoned = False
         self._lock = threading.Lock()
 
@@ -65,7 +51,7 @@ class Waiter:
         self.done.set()
         return True
 
-    def fail(self, error: AcquireFailed) -> None:
+    def fail(self, error: ServiceError) -> None:
         with self._lock:
             self.error = error
         self.done.set()

@@ -26,47 +26,37 @@ from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
-from kev.exec.passes import PassBuilder, PassRole, ServedPasses
+from kev.exec.plan import PassRole
+from kev.exec.passes import PassBuilder, Passes
 from kev.request.prompts import Limits
+from kev.serving.errors import InvalidArgument, ServiceError, Unavailable, abort
 from kev.v1 import bank_pb2 as pb
 from kev.v1 import bank_pb2_grpc
 
 from bank_service.acquire import Acquirer
 from bank_service.config import BankConfig
-from bank_service.jobs import AcquireFailed, Reason
 from bank_service.metrics import BankMetrics
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Bank"].full_name  # "kev.v1.Bank"
-_CODES = {
-    Reason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    Reason.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Reason.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    Reason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Reason.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 MAX_WAIT_S = 600.0  # an Acquire without a deadline still gives up eventually
-
-
-def _invalid(message: str) -> AcquireFailed:
-    return AcquireFailed(Reason.INVALID_ARGUMENT, message)
 
 
 def parse_tokens(raw: bytes, max_tokens: int, vocab_size: int) -> list[int]:
     """AcquireRequest.token_ids_le_i32 -> token ids, or INVALID_ARGUMENT naming the field."""
     field = "token_ids_le_i32"
     if not raw:
-        raise _invalid(f"{field}: the document is empty")
+        raise InvalidArgument(f"{field}: the document is empty")
     if len(raw) % 4:
-        raise _invalid(f"{field}: {len(raw)} bytes is not a whole number of int32 token ids")
+        raise InvalidArgument(f"{field}: {len(raw)} bytes is not a whole number of int32 token ids")
     if len(raw) // 4 > max_tokens:
-        raise _invalid(f"{field}: document of {len(raw) // 4} tokens is over the limit of {max_tokens}")
+        raise InvalidArgument(f"{field}: document of {len(raw) // 4} tokens is over the limit of {max_tokens}")
     ids = np.frombuffer(raw, dtype="<i4")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
-        raise _invalid(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     return ids.tolist()
 
 
@@ -76,28 +66,25 @@ class BankServicer(bank_pb2_grpc.BankServicer):
 
     def _ready(self, context) -> "BankService":
         if not self.service.ready.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the bank is starting")
+            abort(context, Unavailable("the bank is starting"))
         return self.service
-
-    def _abort(self, context, e: AcquireFailed) -> None:
-        context.abort(_CODES[e.reason], e.message)
 
     def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         s = self._ready(context)
         cfg = s.config
         try:
             if request.model != s.model_id:
-                raise _invalid(f"model: {request.model!r} is not served here (this bank serves {s.model_id!r})")
+                raise InvalidArgument(f"model: {request.model!r} is not served here (this bank serves {s.model_id!r})")
             tokens = parse_tokens(request.token_ids_le_i32, cfg.max_document_tokens, s.vocab_size)
             lease_s = request.lease_ms / 1000 if request.lease_ms else cfg.lease_seconds
             if lease_s > cfg.max_lease_seconds:
-                raise _invalid(f"lease_ms: {request.lease_ms} is over the limit of {cfg.max_lease_seconds * 1000:.0f}")
+                raise InvalidArgument(f"lease_ms: {request.lease_ms} is over the limit of {cfg.max_lease_seconds * 1000:.0f}")
             remaining = context.time_remaining()
             timeout = MAX_WAIT_S if remaining is None else min(remaining, MAX_WAIT_S)
             got = s.acquirer.acquire(tokens, lease_s, timeout, context.is_active)
-        except AcquireFailed as e:
-            s.metrics.acquires.labels(result=e.reason.value).inc()
-            self._abort(context, e)
+        except ServiceError as e:
+            s.metrics.acquires.labels(result=e.label).inc()
+            abort(context, e)
         s.metrics.acquires.labels(result="hit" if got.cached else "miss").inc()
         return pb.AcquireResponse(
             handle=pb.Handle(slot=got.handle.slot, generation=got.handle.generation),
@@ -107,17 +94,17 @@ class BankServicer(bank_pb2_grpc.BankServicer):
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         s = self._ready(context)
         if not request.lease_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id: required")
+            abort(context, InvalidArgument("lease_id: required"))
         try:
             return pb.ReleaseResponse(released=s.acquirer.release(request.lease_id))
-        except AcquireFailed as e:
-            self._abort(context, e)
+        except ServiceError as e:
+            abort(context, e)
 
     def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
         s = self._ready(context)
         if request.model and request.model != s.model_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"model: {request.model!r} is not served here (this bank serves {s.model_id!r})")
+            abort(context, InvalidArgument(f"model: {request.model!r} is not served here "
+                                           f"(this bank serves {s.model_id!r})"))
         return s.shared.attach_response(s.model_id, s.config.node)
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
@@ -126,7 +113,7 @@ class BankServicer(bank_pb2_grpc.BankServicer):
         try:
             pins = s.directory.pins_held()
         except DirectoryUnavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            abort(context, Unavailable(str(e)))
         a = s.acquirer
         return pb.StatsResponse(
             slots_used=bank.slots_used, slots_total=bank.slots_total, blocks_used=bank.blocks_used,
@@ -177,7 +164,7 @@ class BankService:
             shm_dir=cfg.shm_dir)
         bank = self.shared.bank
         ops = get_ops(cfg.ops_backend)
-        # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/exec/passes.py); on CPU a Runner.
+        # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/exec/passes.py); on CPU a Passes.
         passes = PassBuilder(loaded.model, ops, PassRole.STATES, cfg.graph_plan).build(bank)
         self._warm_up(passes, bank)
         st = bank.stats()
@@ -207,7 +194,7 @@ class BankService:
                  SERVICE_NAME, cfg.node, cfg.metrics_port or "off", frozen)
         return True
 
-    def _warm_up(self, passes: ServedPasses, bank) -> None:
+    def _warm_up(self, passes: Passes, bank) -> None:
         """One short state pass with the real dtypes, into a slot freed again at once."""
         handle = bank.alloc(8)
         try:

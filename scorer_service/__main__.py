@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2
 
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
+from kev.serving.errors import ServiceError
 from kev.serving.settings import log_settings
 from kev.ops import get_ops
 from kev.exec.plan import PassRole
@@ -25,7 +26,6 @@ from kev.exec.passes import PassBuilder
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
-from scorer_service.errors import ServiceError
 from scorer_service.metrics import ScorerMetrics
 from scorer_service.server import SERVICE, ScorerService, build_server
 

@@ -38,13 +38,17 @@ from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.bank.doc_key import document_key
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
-from kev.exec.passes import PassBuilder, ServedPasses
+from kev.exec.passes import PassBuilder, Passes
 from kev.v1 import bank_pb2, bank_pb2_grpc
 from scorer_service.config import ScorerConfig
-from scorer_service.errors import DeadlineExceeded, Exhausted, ServiceError, StaleAttachment, Unavailable
+from kev.serving.errors import DeadlineExceeded, Exhausted, ServiceError, Unavailable
 from scorer_service.metrics import ScorerMetrics
 
 log = logging.getLogger(__name__)
+
+
+class StaleAttachment(Unavailable):
+    """The handle belongs to another bank instance or is no longer live: the request retries once."""
 
 
 @dataclass(eq=False)
@@ -55,7 +59,7 @@ class Attachment:
     node: str
     epoch: str | None  # directory epoch confirmed for this instance; updated after a Redis restart
     bank: object  # kev.bank.shared.AttachedBank: .pools, .block_table, .check(handle)
-    passes: ServedPasses
+    passes: Passes
     directory: Directory
 
 

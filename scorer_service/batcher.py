@@ -36,8 +36,8 @@ from kev.request.answers import PendingAnswers, start_answers
 from kev.request.rows import row_batch_for
 from kev.request.head import DecisionHead
 from kev.request.prompts import PreparedRequest
-from scorer_service.bank_link import BankLink, DocLease
-from scorer_service.errors import Exhausted, ServiceError, StaleAttachment
+from kev.serving.errors import Exhausted, ServiceError
+from scorer_service.bank_link import BankLink, DocLease, StaleAttachment
 from scorer_service.metrics import ScorerMetrics
 
 log = logging.getLogger(__name__)

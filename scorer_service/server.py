@@ -34,12 +34,12 @@ from kev.request import api
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.request.prompts import validate_and_build
+from kev.serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from kev.v1 import scorer_pb2 as pb
 from kev.rpc import wire
-from scorer_service.bank_link import BankLink
+from scorer_service.bank_link import BankLink, StaleAttachment
 from scorer_service.batcher import Job, RowBatcher
 from scorer_service.config import ScorerConfig
-from scorer_service.errors import Cancelled, DeadlineExceeded, ServiceError, StaleAttachment, Unavailable
 from scorer_service.metrics import ScorerMetrics
 
 log = logging.getLogger(__name__)
