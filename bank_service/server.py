@@ -13,13 +13,9 @@ import os
 import threading
 import time
 import uuid
-from concurrent import futures
 
-import grpc
 import numpy as np
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kev.bank.shared import SharedBank
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
@@ -30,6 +26,7 @@ from kev.exec.plan import PassRole
 from kev.exec.passes import PassBuilder, Passes
 from kev.request.prompts import Limits
 from kev.serving.errors import InvalidArgument, ServiceError, Unavailable, abort
+from kev.serving.grpc_server import GrpcServer
 from kev.v1 import bank_pb2 as pb
 from kev.v1 import bank_pb2_grpc
 
@@ -126,8 +123,7 @@ class BankService:
         self.config = config
         self.instance = f"{int(time.time()):x}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.ready = threading.Event()
-        self.health = health.HealthServicer()
-        self.server: grpc.Server | None = None
+        self.server: GrpcServer | None = None
         self.port = 0
         self.shared: SharedBank | None = None
         self.acquirer: Acquirer | None = None
@@ -138,18 +134,9 @@ class BankService:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         set_switch_interval(cfg.switch_interval_ms)
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server = grpc.server(futures.ThreadPoolExecutor(cfg.grpc_workers, thread_name_prefix="bank-rpc"))
-        bank_pb2_grpc.add_BankServicer_to_server(BankServicer(self), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
-        self.port = self.server.add_insecure_port(cfg.listen)
-        if not self.port:
-            raise RuntimeError(f"cannot listen on {cfg.listen}")
-        self.server.start()
+        self.server = GrpcServer([SERVICE_NAME], workers=cfg.grpc_workers, thread_name_prefix="bank-rpc")
+        bank_pb2_grpc.add_BankServicer_to_server(BankServicer(self), self.server.server)
+        self.port = self.server.start(cfg.listen)  # health "" SERVING, kev.v1.Bank NOT_SERVING until ready
         log.info("listening on %s (port %d), instance %s", cfg.listen, self.port, self.instance)
 
         t0 = time.perf_counter()
@@ -189,7 +176,7 @@ class BankService:
         self.metrics.serve(cfg.metrics_port)
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
         self.ready.set()
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self.server.set_serving(True)
         log.info("serving %s as node %s (metrics port %s; %d start-up objects frozen out of GC scans)",
                  SERVICE_NAME, cfg.node, cfg.metrics_port or "off", frozen)
         return True
@@ -205,9 +192,9 @@ class BankService:
     def stop(self) -> None:
         """Drain and release everything; safe to call at any point of start()."""
         log.info("shutting down")
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.server is not None:
-            self.server.stop(self.config.grace_s).wait()
+            self.server.set_serving(False)
+            self.server.stop(self.config.grace_s)
         if self.acquirer is not None:
             self.acquirer.stop()
         if self.ready.is_set():

@@ -39,13 +39,11 @@ import signal
 import sys
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from tokenizers import Tokenizer
 
@@ -56,6 +54,7 @@ from kev.request.answers import answer_rows
 from kev.request.errors import InvalidRequest
 from kev.request.head import load_head
 from kev.request.prompts import Delimiters, Limits, PreparedRequest, PromptBuilder, validate_and_build
+from kev.serving.grpc_server import GrpcServer, ListenError
 from kev.v1 import scorer_pb2 as pb
 from scorer_service.server import SERVICE, scorer_rpc_handler
 
@@ -342,12 +341,11 @@ class BaselineService:
             max_row_tokens=limits.max_row_tokens, is_default=True)])
 
 
-def build_server(service: BaselineService, health_servicer: health.HealthServicer, threads: int = 256) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="baseline-rpc"),
-                         options=[("grpc.max_receive_message_length", service.max_request_bytes),
-                                  ("grpc.max_send_message_length", service.max_request_bytes)])
-    server.add_generic_rpc_handlers((scorer_rpc_handler(service.score_questions, service.list_models),))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+def build_server(service: BaselineService, threads: int = 256) -> GrpcServer:
+    """kev.v1.Scorer on the baseline (kev/serving/grpc_server.py: NOT_SERVING until warmed up); not yet bound."""
+    server = GrpcServer([SERVICE], workers=threads, thread_name_prefix="baseline-rpc",
+                        max_message_bytes=service.max_request_bytes)
+    server.add_handlers([scorer_rpc_handler(service.score_questions, service.list_models)])
     return server
 
 
@@ -389,24 +387,23 @@ def main(argv: list[str] | None = None) -> int:
                  ", ".join(f"{r}x{w}" for r, w in shapes))
     batcher = BaselineBatcher(scorer, args.max_requests, args.max_batch_tokens)
     service = BaselineService(scorer, batcher)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = build_server(service, health_servicer)
-    if server.add_insecure_port(args.listen) == 0:
-        log.error("cannot listen on %s", args.listen)
+    server = build_server(service)
+    try:
+        server.start(args.listen)
+    except ListenError as e:
+        log.error("%s", e)
         return 2
-    server.start()
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=batcher.registry)
     service.score(api.ScoreRequest("Baseline warm-up.", {"w": api.Question.noul("Is this a warm-up?")}), 600)
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    server.set_serving(True)
     log.info("serving on %s (ready after %.1f s)", args.listen, time.perf_counter() - start)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(5).wait()
+    server.stop(5)
     batcher.stop()
     return 0
 

@@ -14,11 +14,10 @@ import sys
 import threading
 import time
 
-from grpc_health.v1 import health, health_pb2
-
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.serving.errors import ServiceError
+from kev.serving.grpc_server import ListenError
 from kev.serving.settings import log_settings
 from kev.ops import get_ops
 from kev.exec.plan import PassRole
@@ -27,7 +26,7 @@ from scorer_service.bank_link import BankLink
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
 from scorer_service.metrics import ScorerMetrics
-from scorer_service.server import SERVICE, ScorerService, build_server
+from scorer_service.server import ScorerService, build_server
 
 log = logging.getLogger("scorer_service")
 
@@ -74,14 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                          max_tokens_per_pass=config.max_tokens_per_pass, max_wait_ms=config.max_wait_ms,
                          max_queue=config.max_queue)
     service = ScorerService(config, loaded, link, batcher, metrics)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = build_server(service, health_servicer)
-    if server.add_insecure_port(config.listen) == 0:
-        log.error("cannot listen on %s", config.listen)
+    server = build_server(service)  # health "" SERVING, kev.v1.Scorer NOT_SERVING
+    try:
+        server.start(config.listen)
+    except ListenError as e:
+        log.error("%s", e)
         return 2
-    server.start()
     log.info("listening on %s", config.listen)
     metrics.serve(config.metrics_port, link.refresh_occupancy)
 
@@ -90,15 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if attach_until_ready(service, stop):
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
-        health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        server.set_serving(True)
         log.info("serving (ready after %.1f s; %d start-up objects frozen out of GC scans)",
                  time.perf_counter() - start, frozen)
         stop.wait()
 
     log.info("draining")
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.set_serving(False)
     service.draining = True
-    server.stop(GRACE_S).wait()
+    server.stop(GRACE_S)
     batcher.stop()
     metrics.close()
     log.info("stopped; pins still held: %d", link.pins_held)

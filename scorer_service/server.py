@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kev.request import api
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.request.prompts import validate_and_build
 from kev.serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
+from kev.serving.grpc_server import GrpcServer
 from kev.v1 import scorer_pb2 as pb
 from kev.rpc import wire
 from scorer_service.bank_link import BankLink, StaleAttachment
@@ -162,14 +160,10 @@ def scorer_rpc_handler(score_questions, list_models) -> grpc.GenericRpcHandler:
     })
 
 
-def build_server(service: ScorerService, health_servicer: health.HealthServicer) -> grpc.Server:
+def build_server(service: ScorerService) -> GrpcServer:
+    """kev.v1.Scorer (NOT_SERVING until `set_serving(True)`), health and reflection; not yet bound."""
     config = service.config
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.grpc_threads, thread_name_prefix="kev-rpc"),
-        options=[("grpc.max_receive_message_length", config.transport_max_bytes),
-                 ("grpc.max_send_message_length", config.transport_max_bytes)])
-    server.add_generic_rpc_handlers((scorer_rpc_handler(service.score_questions, service.list_models),))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    server = GrpcServer([SERVICE], workers=config.grpc_threads, thread_name_prefix="kev-rpc",
+                        max_message_bytes=config.transport_max_bytes)
+    server.add_handlers([scorer_rpc_handler(service.score_questions, service.list_models)])
     return server

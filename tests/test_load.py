@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health
 
 from kev.request import api
 from kev.request.prompts import validate_and_build
@@ -110,9 +109,8 @@ def test_baseline_answers_match_the_engine(checkpoint):
     with hide_fla() as calls:  # transformers' torch paths: fla's Triton kernels cannot run on a CPU
         scorer = BaselineScorer(checkpoint)
         batcher = BaselineBatcher(scorer)
-        server = build_server(BaselineService(scorer, batcher), health.HealthServicer(), threads=16)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server = build_server(BaselineService(scorer, batcher), threads=16)
+        port = server.start("127.0.0.1:0")
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 call = channel.unary_unary("/kev.v1.Scorer/ScoreQuestions", request_serializer=None,
@@ -136,7 +134,8 @@ def failing_server(delay_s: float = 0.0):
     """A Scorer whose ScoreQuestions waits `delay_s`, then fails: FAILED_PRECONDITION on odd calls, INTERNAL else."""
     import threading as _threading
     import time as _time
-    from concurrent import futures
+
+    from kev.serving.grpc_server import GrpcServer
 
     calls = [0]
     lock = _threading.Lock()
@@ -150,13 +149,11 @@ def failing_server(delay_s: float = 0.0):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "document longer than the gathered buffer")
         context.abort(grpc.StatusCode.INTERNAL, "row pass failed: boom")
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    server = GrpcServer(["kev.v1.Scorer"], workers=16, thread_name_prefix="failing-rpc")
     handler = grpc.unary_unary_rpc_method_handler(score, request_deserializer=None,
                                                   response_serializer=pb.ScoreQuestionsResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kev.v1.Scorer",
-                                                                          {"ScoreQuestions": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server.add_handlers([grpc.method_handlers_generic_handler("kev.v1.Scorer", {"ScoreQuestions": handler})])
+    port = server.start("127.0.0.1:0")
     return server, f"127.0.0.1:{port}"
 
 
@@ -314,7 +311,7 @@ def test_start_up_plans_follow_the_workloads():
     both = doc_plan([six, five]).split(",")
     assert len(both) == 15 and both[:4] == ["1x48", "1x2208", "2x48", "2x2208"]
     assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
-    assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Runner
+    assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Passes
     assert longest_document([six, five]) == 2200 and longest_document([mixed]) == 512
     assert bank_avg_doc_tokens([six, five]) == 2200 and bank_avg_doc_tokens([mixed]) == 2048
     assert bank_avg_doc_tokens([WORKLOADS["longdoc"]]) == 38912
@@ -338,7 +335,7 @@ ROW_CLASSES = "rows_few,rows_mid,rows_wide"
 
 def test_warm_plan_follows_the_workloads():
     from bench.load_startup import warm_plan
-    from kev.exec.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS
+    from kev.exec.plan import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS
 
     six, five, mixed, longdoc = (WORKLOADS[w] for w in ("six-short", "five-long", "mixed", "longdoc"))
     # (scorers, bank). Scorers: 1..96 rows of <= 128 tokens are the three row classes.
