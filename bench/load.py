@@ -404,12 +404,12 @@ def environment() -> dict:
             versions[name] = None
     return {"commit": commit, "gpu": gpu, "host": platform.node(),
             "python": platform.python_version(), "packages": versions,
-            # bench/load_check.sh: whether Triton's compile cache came from an earlier call (start-up
+            # bench/device/load_check.sh: whether Triton's compile cache came from an earlier call (start-up
             # times only: autotuning and every measured pass are the same either way)
             "triton_compile_cache": os.environ.get("KEV_COMPILE_CACHE", "this process's own"),
-            # bench/load_check.sh: the services' kernels time-sliced (CUDA's default for two processes)
+            # bench/device/load_check.sh: the services' kernels time-sliced (CUDA's default for two processes)
             # or run at once as clients of an MPS daemon (KEV_MPS=1)
-            "gpu_sharing": os.environ.get("KEV_GPU_SHARING", "not recorded (set by bench/load_check.sh)"),
+            "gpu_sharing": os.environ.get("KEV_GPU_SHARING", "not recorded (set by bench/device/load_check.sh)"),
             "command": " ".join([os.path.basename(sys.executable), *sys.orig_argv[1:]])}
 
 

@@ -9,8 +9,12 @@ joins the two files: the first file's kev and baseline, the second file's gather
 identity check, the second run's kev headline beside it (`gathered_run_kev`), and both commands.
 Both must be of the same workload, commit, GPU and GPU sharing.
 
-    python -m bench.load_merge RUN_WITH_BASELINE.json RUN_WITH_GATHERED.json --out load_five-long.json \
-        --png load_five-long.png   # requests/s and p99 against clients, all three systems
+    python -m bench.load_merge runs/<call 1>/load_five-long.json runs/<call 2>/load_five-long.json \
+        --out bench/results/load_five-long.json \
+        --png runs/load_five-long.png   # requests/s and p99 against clients, all three systems
+
+The two calls' files are per-run records (runs/, from bench/device/collect.py); the merged file is
+the workload's results file under its plain name.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.load_merge", description=__doc__.split("\n\n")[0])
     p.add_argument("with_baseline", help="results of a run with kev and the baseline")
     p.add_argument("with_gathered", help="results of a run with kev and the gathered scorer")
-    p.add_argument("--out", required=True)
-    p.add_argument("--png", help="also plot the merged sweeps here (bench.load_plots)")
+    p.add_argument("--out", required=True, help="the merged results file (bench/results/load_<workload>.json)")
+    p.add_argument("--png", help="also plot the merged sweeps here (bench.load_plots; runs/, not bench/results)")
     args = p.parse_args(argv)
     with open(args.with_baseline) as a, open(args.with_gathered) as b:
         merged = merge(json.load(a), json.load(b))

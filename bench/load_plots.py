@@ -21,6 +21,7 @@ def plot_sweeps(series: dict[str, list[dict]], path: str | Path, title: str = ""
     except ImportError:
         print(f"matplotlib is not installed: skipping {path} (pip install '.[bench]')", file=sys.stderr)
         return None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # runs/ is created on first use
     fig, (rps_ax, p99_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for name, runs in series.items():
         runs = sorted(runs, key=lambda r: r["clients"])

@@ -1,19 +1,78 @@
-"""The repository's shell scripts parse (they run where CI cannot: the GPU machine, a fresh install)."""
+"""The repository's shell scripts parse (they run where CI cannot: the GPU machine, a fresh install),
+and a device call's files are sorted into bench/results and runs/ (bench/device/collect.py)."""
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.relative_to(ROOT) for p in ROOT.glob("*/*.sh") if ".venv" not in p.parts)
+SCRIPTS = sorted(p.relative_to(ROOT) for pattern in ("*/*.sh", "*/*/*.sh") for p in ROOT.glob(pattern)
+                 if not {".venv", ".git", "runs"} & set(p.relative_to(ROOT).parts))
+DEVICE = ("gpu_check.sh", "load_check.sh", "load_ab.sh", "triton_cache.sh", "device_carry.sh")
 
 
 def test_the_scripts_are_found():
-    assert {Path("bench/gpu_check.sh"), Path("bench/device_carry.sh"), Path("bench/load_check.sh")} <= set(SCRIPTS)
+    assert {Path("bench/device") / name for name in DEVICE} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=str)
 def test_script_parses(script):
     result = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_device_scripts_name_their_new_paths():
+    """The drivers cd to the repository root from bench/device/ and call each other there."""
+    for name in ("gpu_check.sh", "load_check.sh", "load_ab.sh", "device_carry.sh"):
+        text = (ROOT / "bench/device" / name).read_text()
+        assert 'cd "$(dirname "$0")/../.."' in text, name
+    for name in DEVICE + ("device_check.py",):
+        text = (ROOT / "bench/device" / name).read_text()
+        old = [f"bench/{n}" for n in DEVICE + ("device_check.py",) if f"bench/{n}" in text]
+        assert not old, f"{name} still names {old}"
+    assert '"$OUT" --png-dir "$OUT"' in (ROOT / "bench/device/load_check.sh").read_text()
+
+
+def test_results_keep_plain_names():
+    """bench/results holds one JSON per benchmark under its plain name, no commit in it, and RESULTS.md."""
+    files = [p for p in (ROOT / "bench/results").iterdir()]
+    assert {p.name for p in files if p.suffix != ".json"} == {"RESULTS.md"}
+    for p in files:
+        if p.suffix == ".json":
+            data = json.loads(p.read_text())
+            first = data[0] if isinstance(data, list) else data
+            assert first.get("commit"), f"{p.name} has no commit inside"
+            assert first["commit"][:7] not in p.stem, f"{p.name} is named by its commit"
+
+
+def test_collect_sorts_a_device_call(tmp_path):
+    from bench.device.collect import collect
+
+    src, root = tmp_path / "files_at", tmp_path / "repo"
+    (src / "a_1").mkdir(parents=True)
+    (src / "single_request.json").write_text(json.dumps({"commit": "abc1234", "gpu": "H200"}))
+    (src / "load_mixed.json").write_text(json.dumps({"commit": "abc1234", "complete": False, "missing": ["baseline"]}))
+    (src / "autotune_classes.json").write_text(json.dumps({"commit": "unknown"}))
+    (src / "gpu_tests.log").write_text("46 passed")
+    (src / "a_1" / "load_six-short.json").write_text(json.dumps({"commit": "abc1234"}))
+    (src / "triton_cache.txz.part00").write_bytes(b"xz")
+    (root / "bench/results").mkdir(parents=True)
+    (root / "bench/results/load_mixed.json").write_text("the complete one")
+    (root / ".triton_carry").mkdir()
+    (root / ".triton_carry/triton_cache.txz.part01").write_bytes(b"old")
+    src.joinpath("single_request.json").chmod(0o444)  # the device tool's copies are read-only
+
+    done = collect(src, root, stamp="t")
+    assert done["results"] == ["single_request.json"]
+    assert [name for name, _ in done["kept_out"]] == ["autotune_classes.json", "load_mixed.json"]
+    assert (root / "bench/results/load_mixed.json").read_text() == "the complete one"
+    assert not (root / "bench/results/load_six-short.json").exists()  # an A/B run's file stays in its folder
+    run = root / "runs/t_abc1234"
+    assert {p.name for p in run.iterdir()} == {"single_request.json", "load_mixed.json", "autotune_classes.json",
+                                               "gpu_tests.log", "a_1"}
+    assert (run / "a_1/load_six-short.json").exists()
+    assert sorted(p.name for p in (root / ".triton_carry").iterdir()) == ["triton_cache.txz.part00"]
+    collect(src, root, stamp="t")  # again: the read-only source copied over its own earlier copies
+    assert (root / "bench/results/single_request.json").stat().st_mode & 0o200

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 5's GPU batch in device calls of at most 600 s: the GPU tests (~370 s on the H200 with a warm
+# compile cache; cold, ~620 s at 985491f: then `tests-a` and `tests-b` in two calls, see below),
+# then the single-request figures with their profile and the
+# shape-class config map (~180 s); on request the attention A/B (~100 s, limit 150) and the matmul-floor
+# figures, `row_pass.json` and `state_pass.json` (limits 150 s + 200 s). Each step writes its
+# log and results under $OUT and has its own time limit; one failing or running out of time does
+# not stop the others. Name the steps; the default is `tests perf` (~460 s, one call; limits 540 + 150 + 120).
+# Keep the tests first: they leave Triton's compile cache warm, and the single-request figures then
+# take ~32 s. Run first, cold, they compiled past an 80 s limit (eee0343's call, "perf tests").
+# Back here, `python3 bench/device/collect.py <files_at>` puts the JSONs into bench/results (plain
+# names, overwritten) and the logs and profiles into runs/.
+#
+# On the device machine, from the repository root, carrying .whl (bench/device/device_carry.sh builds it):
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh                  # tests perf
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh perf ab          # figures only
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh floors           # row pass and state pass
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests single"   # tests, then single_request alone
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-a single" # a cold first call: half the tests, the figures
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-b perf"   # the next, cache carried (.triton_carry)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the device output folder}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
+source bench/device/triton_cache.sh
+triton_cache_restore
+
+# The GPU tests in two halves: cold (no carried compile cache, a session's first call) all 45 took
+# ~620 s at 985491f, past one call; `tests-a` (graphs, served passes) then `tests-b` (kernels, state
+# pass, shared bank) in two calls, the cache carried between them. -v: each test's name is logged as
+# it ends, so a run cut by its limit still says which passed.
+PYTEST_GPU=(-v -rfE --tb=short --durations=15 -p no:cacheprovider)
+GPU_TESTS_A=(tests/test_graphs_gpu.py tests/test_served_passes_gpu.py)
+GPU_TESTS_B=(tests/test_kernels_gpu.py tests/test_state_pass_gpu.py tests/test_shared_bank.py)
+
+step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log, one summary line here
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc $rc in $((SECONDS - start)) s; $(grep -E ' passed| failed|new .* ms|worst|efficiency' "$OUT/$name.log" | tail -2 | tr '\n' ' ')"
+}
+
+for what in "${@:-tests perf}"; do
+    for s in $what; do
+        case $s in
+            tests) step gpu_tests 540 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" "${GPU_TESTS_B[@]}" ;;
+            tests-a) step gpu_tests_a 420 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" ;;
+            tests-b) step gpu_tests_b 300 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_B[@]}" ;;
+            perf)
+                step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
+                    --profile-out "$OUT/single_request_profile.txt"
+                step autotune_map 120 python3 -m bench.autotune_map --out "$OUT/autotune_classes.json" ;;
+            single)  # the single-request figures alone (perf without the map)
+                step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
+                    --profile-out "$OUT/single_request_profile.txt" ;;
+            ab) step attention_ab 150 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
+            floors)
+                step row_pass 150 python3 -m bench.row_pass --out "$OUT/row_pass.json" \
+                    --kernels-out "$OUT/row_pass_kernels.json"
+                step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
+            *) echo "unknown step $s (tests, tests-a, tests-b, perf, single, ab, floors)"; exit 2 ;;
+        esac
+    done
+done
+triton_cache_pack  # for the next call of the session: carry it as .triton_carry

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 7's load comparison in one device call: the carried wheels installed, redis-server on PATH,
+# GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
+# that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
+# keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
+# completes), load_compare.log, gpu_util.csv, and triton_cache.txz.part*: Triton's compile cache (not
+# its autotune results, except the baseline's) at the end (bench/device/triton_cache.sh). Carried into the
+# next call, it spares the services their kernel compiles (about a minute of each load call's start-up,
+# mostly the bank's) and the baseline its autotuning. The results record which it was
+# (`triton_compile_cache`). Back here, `python3 bench/device/collect.py <files_at>` puts the JSON
+# into bench/results (plain name, overwritten) and the log, CSV and plot into runs/.
+#
+# On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
+# (bench/device/device_carry.sh builds them), and .triton_carry when there is one:
+#     KEV_COMMIT=<sha> bash bench/device/load_check.sh six-short [LIMIT_S] [more load_compare flags...]
+# KEV_MPS=1 runs the services as clients of an MPS daemon started here (pipe and log under /tmp,
+# stopped at the end): the bank's and the scorer's kernels then share the GPU at once instead of
+# taking turns in time slices. The results record which (`gpu_sharing`); a daemon that does not
+# come up fails the call rather than measuring the other mode under its name.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the device output folder}"
+workloads=${1:-six-short}
+limit=${2:-520}
+shift $(( $# < 2 ? $# : 2 ))
+# The device tool stops a call at 600 s. After the limit the stack still stops (up to 20 s a
+# service) and the cache is packed: 12be09f's five-long run at 575 came back without its cache, and
+# cb9932f's longdoc run at 560 (a 176 MB cache, three services to stop) with nothing but its JSON.
+if [ "$limit" -gt 520 ]; then echo "limit $limit s capped at 520"; limit=520; fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl .whl_load/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
+source bench/device/triton_cache.sh
+triton_cache_restore
+export KEV_GPU_SHARING=time-sliced
+if [ "${KEV_MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS daemon did not start"; exit 1; }
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" \
+        || { echo "no CUDA context through MPS"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log; exit 1; }
+    KEV_GPU_SHARING=mps
+fi
+echo "GPU sharing between the services: $KEV_GPU_SHARING"
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
+sampler=$!
+timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workloads" --sweep 1,8,32,64 \
+    --duration 5 --warmup-s 2 --out-dir "$OUT" --png-dir "$OUT" "$@" > "$OUT/load_compare.log" 2>&1
+rc=$?
+kill "$sampler" 2>/dev/null
+triton_cache_pack
+echo "load_compare: rc $rc after ${SECONDS} s"
+grep -E '^(==|   )|x(1|8|32|64)\] +[5-9]\.[0-9] s|req/s p99|errors' "$OUT/load_compare.log" | tail -40
