@@ -34,17 +34,19 @@ each), bank hit ratio and rows per pass for the
 project, the same fields in `gathered` and `baseline`, the sweep of every system, the ratio to the
 baseline, the identity check, `startup` (seconds per service), package versions and the exact
 command; with `--sweep`, also
-`load_<workload>.png` (requests/s and p99 against clients). Exit status 1 on any error or mismatch.
+`<png-dir>/load_<workload>.png` (requests/s and p99 against clients). The JSON keeps its plain name
+(bench/results/ by default, overwritten: the commit is inside it); the plot, like every per-run log,
+goes to the git-ignored runs/. Exit status 1 on any error or mismatch.
 
 GPU (Kev-4B shapes, random bf16 weights written once to /tmp/kev-4b-random). The H200 machine has
 no redis-server and lacks grpcio-health-checking, grpcio-reflection and redis-py: carry `.whl` (fla),
-`.whl_load` (cp312 wheels) and `.redis_carry` (see bench/device_check.py), one workload per command
+`.whl_load` (cp312 wheels) and `.redis_carry` (see bench/device/device_check.py), one workload per command
 (each must end inside 10 minutes; `timeout` makes this driver stop its services first):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl .whl_load/*.whl && export PYTHONPATH=/tmp/site PATH=$PWD/.redis_carry:$PATH KEV_COMMIT=<sha>
-    python3 bench/device_check.py && timeout 570 python3 -m bench.load_compare --device cuda \
-        --workload six-short --sweep 1,8,32,64 --duration 8 --warmup-s 2 --out-dir $OUT
+    python3 bench/device/device_check.py && timeout 570 python3 -m bench.load_compare --device cuda \
+        --workload six-short --sweep 1,8,32,64 --duration 8 --warmup-s 2 --out-dir $OUT --png-dir $OUT
 
 CPU (a tiny random checkpoint; documents scaled down):
 
@@ -141,7 +143,7 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
     port, metrics_port = free_port(), free_port()
     addr = f"127.0.0.1:{port}"
     # TRITON_CACHE_AUTOTUNING: the baseline's (fla's) autotune results go to Triton's cache dir,
-    # which bench/load_check.sh carries between device calls: a later start re-tunes nothing.
+    # which bench/device/load_check.sh carries between device calls: a later start re-tunes nothing.
     # Start-up only: a cached pick is one the same kernels made on the same kind of GPU and shapes.
     # (The project's services keep their hot kernels off the disk cache: kev.ops.autotune.ClassTuner.)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_AUTOTUNING": "1",
@@ -212,7 +214,7 @@ def sweep_of(system: str, args) -> list[int]:
 
 def apply_startup_defaults(args, workloads: list[str]) -> None:
     """`auto` start-up settings from the workloads (bench/load_startup.py)."""
-    from kev.exec.passes import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS, parse_warm_classes
+    from kev.exec.plan import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS, parse_warm_classes
 
     used = [WORKLOADS[w].scaled(args.scale) for w in workloads]
     if args.graph_rows == "auto":
@@ -245,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: all on GPU, kev,baseline on CPU)")
     p.add_argument("--checkpoint", default=None, help="default: a random checkpoint written to --checkpoint-dir")
     p.add_argument("--checkpoint-dir", default=None, help="default /tmp/kev-4b-random (GPU) or a temp dir (CPU)")
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
+    p.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"),
+                   help="where load_<workload>.json goes (its plain name, overwritten)")
+    p.add_argument("--png-dir", default=str(REPO_ROOT / "runs"),
+                   help="where load_<workload>.png goes (default runs/, git-ignored)")
     p.add_argument("--sample", type=int, default=8, help="requests per workload compared across systems")
     for system in ("baseline", "gathered"):
         p.add_argument(f"--{system}-sweep", type=parse_counts, default=None,
@@ -387,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench.load_plots import plot_sweeps
 
             plot_sweeps({s: results[s][name]["runs"] for s in results if name in results[s]},
-                        Path(args.out_dir) / f"load_{name}.png", title=f"{name} ({out['gpu']})")
+                        Path(args.png_dir) / f"load_{name}.png", title=f"{name} ({out['gpu']})")
         print(f"{name}: kev {out['requests_per_s']:.1f} req/s p99 {out['p99_ms']:.1f} ms, errors {errors}, "
               f"gathered bit-identical: {'not run' if identical is None else identical}", file=sys.stderr)
         for system, o in per_system.items():

@@ -94,7 +94,7 @@ def warm_plan(workloads: list[Workload], graph_rows: str = "none", graph_docs: s
     A class missed here is tuned at its first pass: slower, never wrong."""
     from kev.exec.graphs import Buckets
     from kev.ops.shapes import ShapeClass, classify
-    from kev.exec.passes import parse_doc_buckets, parse_row_buckets
+    from kev.exec.plan import parse_doc_buckets, parse_row_buckets
 
     b = Buckets()
     rows = {ShapeClass.ROWS_FEW}

@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import kev4b_config, random_model
 from kev.bank.bank import Bank
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 
 
 def main():
@@ -34,7 +35,7 @@ def main():
     docs = max(1, args.rows // 6)
     bank = Bank.allocate(cfg, docs, docs * (-(-args.doc_tokens // 64)), dtype=torch.bfloat16, device="cuda",
                          max_doc_tokens=args.doc_tokens)
-    runner = Runner(model, bank, TritonOps())
+    runner = Passes(model, bank, TritonOps())
     handles = [bank.alloc(args.doc_tokens) for _ in range(docs)]
     runner.state_pass([torch.randint(0, cfg.vocab_size, (args.doc_tokens,)).tolist() for _ in handles], handles)
     rows = [torch.randint(0, cfg.vocab_size, (args.row_tokens,)).tolist() for _ in range(args.rows)]

@@ -12,12 +12,13 @@ Also in the same run: every config of the conv kernel and the attention key tile
 these shapes, and a profile (top kernels of one eager pass of the served path).
 
     python -m bench.row_pass --out bench/results/row_pass.json --kernels-out bench/results/row_pass_kernels.json \
-        --profile-out bench/results/row_pass_profile.txt
+        --profile-out runs/row_pass_profile.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -26,7 +27,8 @@ from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops
 from kev.bank.bank import Bank
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 
 
 DEVICE = "cuda"
@@ -47,7 +49,7 @@ def cached_rows(model, cfg, doc_tokens, docs, per_doc, row_tokens):
     gen = torch.Generator().manual_seed(doc_tokens)
     bank = Bank.allocate(cfg, num_slots=docs, num_blocks=docs * (-(-doc_tokens // 64)), block_size=64,
                          dtype=torch.bfloat16, device=DEVICE, max_doc_tokens=doc_tokens)
-    runner = Runner(model, bank, TritonOps())
+    runner = Passes(model, bank, TritonOps())
     documents = [torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist() for _ in range(docs)]
     handles = [bank.alloc(doc_tokens) for _ in documents]
     runner.state_pass(documents, handles)
@@ -157,6 +159,7 @@ def profile_pass(model, bank, batch, meta, path):
     total = sum(e.self_device_time_total for e in events) / 1e3
     gemm = sum(e.self_device_time_total for e in events
                if any(s in e.key for s in ("nvjet", "gemm", "cutlass", "xmma"))) / 1e3
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # runs/ is created on first use
     with open(path, "w") as f:
         f.write(f"one eager row pass, served path: GPU time {total:.2f} ms, GEMM kernels {gemm:.2f} ms\n")
         f.write(events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))

@@ -23,7 +23,8 @@ from bench.common import capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops
 from kev.bank.bank import Bank
 from kev.ops.gathered_ops import GatheredOps
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 
 
 def gather_only(ops: GatheredOps, meta, pools) -> None:
@@ -43,7 +44,7 @@ def run_case(model, cfg, doc_tokens: int, docs: int, per_doc: int, row_tokens: i
     bank = Bank.allocate(cfg, num_slots=docs, num_blocks=docs * (-(-doc_tokens // 64)), block_size=64,
                          dtype=torch.bfloat16, device="cuda", max_doc_tokens=doc_tokens)
     indexed, gathered = TritonOps(), GatheredOps(max_prefix_tokens=doc_tokens)
-    runner = Runner(model, bank, indexed)
+    runner = Passes(model, bank, indexed)
     documents = [torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist() for _ in range(docs)]
     handles = [bank.alloc(doc_tokens) for _ in documents]
     runner.state_pass(documents, handles)

@@ -3,17 +3,18 @@
 Kev-4B shapes, random bf16 weights. six-short: a new 48-token document and 6 question rows of
 32 tokens; five-long: a 2,200-token document and 5 rows of 32 tokens. `new_ms`: the document is
 not in the bank, and it and the rows go through one sweep over the weights
-(`state_and_row_pass`, what the engine runs); `two_pass_new_ms`: the same as a state pass, then a
+(`sweep`, what the engine runs); `two_pass_new_ms`: the same as a state pass, then a
 row pass (side by side); `cached_ms` = row pass only. Wall time from the host call to the GPU
 being done (row batch built and copied in, the passes, one sync), medians of alternating reps.
 Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
-`GraphedPasses.capture`). The same passes eager (no graphs) are reported beside them.
+`GraphCache.capture`). The same passes eager (no graphs) are reported beside them.
 `new_replay_only_ms`: the new request's sweep graph replayed alone (no batch to build, no buffers
 to fill), back to back, so on a GPU kept busier than between alternating reps; `new_issue_ms`: the
 host time until a new request's call returns (its GPU work queued, not waited for): the host's part
 in front of the GPU's.
 
-    python -m bench.single_request --out bench/results/single_request.json [--profile-out FILE]
+    python -m bench.single_request --out bench/results/single_request.json \
+        [--profile-out runs/single_request_profile.txt]
 
 `--profile-out` also writes, per workload, the top GPU kernels of one graphed new request and
 of the same request eager, with the kernels' summed GPU time beside the wall time (what is left
@@ -23,6 +24,7 @@ is launch gaps and host work).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -31,12 +33,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
-from kev.exec.graphs import CapturePolicy, GraphedPasses
+from kev.exec.graphs import CapturePolicy, GraphCache
 from kev.ops.shapes import ShapeClass
 from kev.ops.autotune import serving_tuner
 from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from kev.exec.static_pass import SweepKey
 
 WORKLOADS = {"six-short": (48, 6, 32), "five-long": (2200, 5, 32)}  # doc tokens, rows, row tokens
@@ -70,7 +73,7 @@ def request(passes, bank, doc, rows, cached: BankHandle | None = None, one_sweep
     if cached is not None:
         return passes.row_pass(batch)
     if one_sweep:
-        out = passes.state_and_row_pass([doc], [handle], batch)
+        out = passes.sweep([doc], [handle], batch)
     else:
         passes.state_pass([doc], [handle])
         out = passes.row_pass(batch)
@@ -95,7 +98,7 @@ def main():
 
 def measure(args, cfg, model, bank, profiles) -> dict:
     """Warm, capture and time both workloads (one seed: the same documents and rows every run)."""
-    runner = Runner(model, bank, TritonOps(), tuner=serving_tuner())
+    runner = Passes(model, bank, TritonOps(), tuner=serving_tuner())
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()  # start-up as a server does it: documents' class, one document, rows' class
     warm_up(runner, [ShapeClass.DOCS_FEW])
@@ -103,16 +106,16 @@ def measure(args, cfg, model, bank, profiles) -> dict:
     runner.state_pass([torch.randint(0, cfg.vocab_size, (2200,), generator=gen).tolist()], [prime])
     warm_up(runner, [ShapeClass.ROWS_FEW], row_slot=prime.slot, row_prefix=2200)
     warm_s = time.perf_counter() - t0
-    graphed = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)
+    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.WARMUP_ONLY))
     result = {"warm_up_s": warm_s}
     kept = [prime]
     for name, (doc_tokens, n_rows, row_tokens) in WORKLOADS.items():
         doc = torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist()
         rows = [torch.randint(0, cfg.vocab_size, (row_tokens,), generator=gen).tolist() for _ in range(n_rows)]
-        state_key, row_key = graphed.buckets.state_key(1, doc_tokens), graphed.buckets.row_key(n_rows, row_tokens, n_rows)
+        state_key, row_key = graphed.graphs.buckets.state_key(1, doc_tokens), graphed.graphs.buckets.row_key(n_rows, row_tokens, n_rows)
         keys = [SweepKey(state_key, row_key), state_key, row_key]
         t0 = time.perf_counter()
-        graphed.capture(keys)
+        graphed.graphs.capture(graphed, keys)
         capture_s = time.perf_counter() - t0
         cached = bank.alloc(doc_tokens)
         kept.append(cached)
@@ -129,7 +132,7 @@ def measure(args, cfg, model, bank, profiles) -> dict:
                 times[f"eager_{k}"].append(timed(lambda: case(runner)))
         # The sweep's graph replayed alone (its static buffers as the last request left them): the
         # GPU's part of `new_ms`; the rest is the host building the batch and filling the buffers.
-        sweep_graph = graphed._entries[keys[0]].graph  # noqa: SLF001 - a benchmark's look inside
+        sweep_graph = graphed.graphs._entries[keys[0]].graph  # noqa: SLF001 - a benchmark's look inside
         replay_ms = statistics.median(timed(sweep_graph.replay) for _ in range(args.reps))
         issue_ms = statistics.median(issued(lambda: request(graphed, bank, doc, rows)) for _ in range(args.reps))
         g_out, e_out = request(graphed, bank, doc, rows, cached), request(runner, bank, doc, rows, cached)
@@ -144,11 +147,12 @@ def measure(args, cfg, model, bank, profiles) -> dict:
                         "graphed_vs_eager_new_max_abs": (g_new.float() - e_new.float()).abs().max().item(),
                         "one_sweep_vs_two_pass_rel": ((g_new.float() - two_pass.float()).norm()
                                                       / two_pass.float().norm()).item(),
-                        "graph_stats": vars(graphed.stats).copy(), "reps": args.reps}
+                        "graph_stats": vars(graphed.graphs.stats).copy(), "reps": args.reps}
         print(f"{name}: new {med['new']:.2f} ms (two passes {med['two_pass_new']:.2f}, the sweep's replay alone "
               f"{replay_ms:.2f}, the host's issue {issue_ms:.2f}), cached {med['cached']:.2f} ms", flush=True)
         if args.profile_out:
             profiles.append(profile_request(name, graphed, runner, bank, doc, rows))
+            os.makedirs(os.path.dirname(args.profile_out) or ".", exist_ok=True)  # runs/ on first use
             with open(args.profile_out, "w") as f:
                 f.write("\n".join(profiles))
     for h in kept:

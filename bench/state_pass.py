@@ -1,25 +1,26 @@
 """The state pass against the matmul floor (issue 5's `state_pass.json`): 16 x 2,048 tokens, one 61,440.
 
-Kev-4B shapes, random bf16 weights, the served path: fused projections, `TritonOps`, a `Runner`
+Kev-4B shapes, random bf16 weights, the served path: fused projections, `TritonOps`, a `Passes`
 with the shape-class autotune caches warmed at start-up (`warm_up`, the documents' classes).
-16 new documents of 2,048 tokens go into the bank through `Runner.state_pass` in one pass (16
+16 new documents of 2,048 tokens go into the bank through `Passes.state_pass` in one pass (16
 documents fit no CUDA-graph bucket, whose largest holds 4: the bank service runs this pass eagerly),
 timed with CUDA events from the host call to the GPU done (host gaps included), medians of `--reps`.
 floor = 2 x non-embedding params x tokens / the bf16 matmul rate measured in this run;
 efficiency = floor / measured.
 
-One 61,440-token document: `Runner.state_pass` in chunks of 8,192 (the state rides in its slot),
+One 61,440-token document: `Passes.state_pass` in chunks of 8,192 (the state rides in its slot),
 its time, and its peak GPU memory above the weights and the bank (max_memory_allocated after a
-reset, minus what was allocated before the pass) against `Runner.state_pass_peak_bytes` (the
+reset, minus what was allocated before the pass) against `Passes.state_pass_peak_bytes` (the
 bound `tests/test_state_pass_gpu.py` enforces). The causal attention over the document is not in
 the matmul floor: its FLOPs are reported beside it.
 
-    python -m bench.state_pass --out bench/results/state_pass.json --profile-out bench/results/state_pass_profile.txt
+    python -m bench.state_pass --out bench/results/state_pass.json --profile-out runs/state_pass_profile.txt
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -31,7 +32,8 @@ from kev.ops.shapes import ShapeClass, classify
 from kev.ops.autotune import serving_tuner
 from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import PEAK_SLACK, Runner
+from kev.exec.passes import Passes
+from kev.exec.memory import PEAK_SLACK
 
 DEVICE = "cuda"
 BLOCK = 64
@@ -57,6 +59,7 @@ def profile_pass(fn, path: str) -> dict:
     gemm = sum(e.self_device_time_total for e in events
                if any(s in e.key for s in ("nvjet", "gemm", "cutlass", "xmma"))) / 1e3
     attn = sum(e.self_device_time_total for e in events if "paged_prefix" in e.key) / 1e3
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # runs/ is created on first use
     with open(path, "w") as f:
         f.write(f"one state pass, served path: GPU time {total:.2f} ms, GEMM kernels {gemm:.2f} ms, "
                 f"paged attention {attn:.2f} ms\n")
@@ -82,7 +85,7 @@ def main():
     bank = Bank.allocate(cfg, num_slots=args.docs + 1, num_blocks=args.docs * -(-args.doc_tokens // BLOCK) + long_blocks,
                          block_size=BLOCK, dtype=torch.bfloat16, device=DEVICE,
                          max_doc_tokens=max(args.doc_tokens, args.long_doc_tokens))
-    runner = Runner(model, bank, TritonOps(), state_chunk_tokens=args.chunk_tokens,
+    runner = Passes(model, bank, TritonOps(), state_chunk_tokens=args.chunk_tokens,
                     tuner=serving_tuner())
     t0 = time.perf_counter()
     warm_up(runner, [ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE])  # start-up, as the bank service does it
@@ -144,8 +147,8 @@ def main():
         "long_doc_floor_with_attention_ms": long_floor + attn / tflops * 1e3,
         "long_doc_tokens_per_s": args.long_doc_tokens / long_ms * 1e3,
         "allocated_bytes_weights_and_bank": before,
-        "bound": f"Runner.state_pass_peak_bytes: {PEAK_SLACK} x the itemised activations of one "
-                 f"{args.chunk_tokens}-token chunk (kev.exec.runner.state_pass_peak_bytes), whatever the document length"})
+        "bound": f"Passes.state_pass_peak_bytes: {PEAK_SLACK} x the itemised activations of one "
+                 f"{args.chunk_tokens}-token chunk (kev.exec.memory.state_pass_peak_bytes), whatever the document length"})
     write_json(args.out, result)
 
 

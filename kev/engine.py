@@ -18,8 +18,9 @@ import torch
 
 from kev.bank.bank import Bank, BankFull, BankHandle
 from kev.bank.doc_key import document_key
-from kev.exec.passes import GraphPlan, PassBuilder, PassRole
-from kev.exec.runner import RowBatch
+from kev.exec.plan import GraphPlan, PassRole
+from kev.exec.passes import PassBuilder
+from kev.exec.batch import RowBatch
 from kev.loading import LoadedModel
 from kev.ops import Ops, get_ops
 from kev.request.answers import answer_rows
@@ -61,7 +62,7 @@ class Engine:
 
     def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResponse | Exception]:
         """Scores requests together (new documents and every row in one sweep over the weights,
-        `state_and_row_pass`); a bad request gets its own exception in its place and does not
+        `sweep`); a bad request gets its own exception in its place and does not
         affect the others."""
         start = time.perf_counter()
         results: list[ScoreResponse | Exception | None] = [None] * len(requests)
@@ -93,7 +94,7 @@ class Engine:
         if the pass ran (a failed pass gives their slots back)."""
         docs, handles = [d for d, _ in new.values()], [h for _, h in new.values()]
         try:
-            hidden = self.passes.state_and_row_pass(docs, handles, batch)
+            hidden = self.passes.sweep(docs, handles, batch)
         except BaseException:
             for h in handles:
                 self.bank.free(h)

@@ -5,7 +5,7 @@ A real `triton.autotune`d kernel whose launches are stubbed out (`fn.run` record
 shows: the class comes from cu_seqlens / batch sizes, the on-disk cache is off, each class keeps
 its own cache (a tiny first call does not decide a wide pass), inside a class the kernel's own
 (N_CLASS, T_CLASS) buckets do not re-tune, and the default caches come back afterwards. Then the
-same with fla's real autotuners (found by `hot_autotuners`) and the Runner's use of the tuner.
+same with fla's real autotuners (found by `hot_autotuners`) and the Passes's use of the tuner.
 Last, tuning a class over several shapes (`ClassTuner.tune`, `warm_up`) with timings that differ
 by shape: the pick minimises the total over the class's shapes, per class, deterministically, and
 nothing tunes again once it is pinned.
@@ -26,7 +26,8 @@ from kev.ops import get_ops
 from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass, classify, classify_cu_seqlens, classify_lens
 from kev.ops.autotune import ClassTuner, hot_autotuners, pick_config
 from kev.exec.warm_up import warm_shapes, warm_up
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from random_models import random_model, tiny_config
 
 
@@ -211,7 +212,7 @@ def test_runner_passes_run_in_their_class():
     model = random_model(tiny_config(), seed=0)
     bank = Bank.allocate(model.cfg, num_slots=4, num_blocks=64, block_size=16)
     tuner = RecordingTuner()
-    runner = Runner(model, bank, get_ops("torch"), state_chunk_tokens=200, tuner=tuner)
+    runner = Passes(model, bank, get_ops("torch"), state_chunk_tokens=200, tuner=tuner)
     docs = [[1] * 300, [2] * 100]
     handles = [bank.alloc(len(d)) for d in docs]
     runner.state_pass(docs, handles)  # chunks: (200 + 100 tokens, 2 docs), then (100 tokens, 1 doc)

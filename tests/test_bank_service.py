@@ -24,7 +24,8 @@ from kev.bank.directory import Directory
 from kev.bank.doc_key import document_key
 from kev.loading import LoadedModel
 from kev.ops import get_ops
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from kev.v1 import bank_pb2 as pb
 from redis_server import RedisServer
 from tiny_stack import TINY_MODEL_ID, make_tiny_checkpoint, pack_tokens, start_bank
@@ -176,14 +177,14 @@ def test_attached_process_reads_the_exact_states(bank, loaded):
     attached = attach(stub.Attach(pb.AttachRequest(model=TINY_MODEL_ID), timeout=10))
     assert attached.model == TINY_MODEL_ID and attached.node == NODE
     model, ops = loaded.model, get_ops("torch")
-    runner = Runner(model, attached, ops)
+    runner = Passes(model, attached, ops)
     rows = [[1, 2, 3, 4], [5, 6]]
     for ids, resp in zip(docs, held):
         h = handle_of(resp)
         attached.check(h)
         private = Bank.allocate(model.cfg, 1, 8, block_size=attached.block_size, max_doc_tokens=512)
         ph = private.alloc(len(ids))
-        reference = Runner(model, private, ops)
+        reference = Passes(model, private, ops)
         reference.state_pass([ids], [ph])
         got = _slot_state(attached.pools, attached.block_table, h.slot, len(ids))
         want = _slot_state(private.pools, private.block_table, ph.slot, len(ids))

@@ -13,13 +13,14 @@ import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.bank.bank import Bank
-from kev.exec.graphs import Buckets, CapturePolicy, GraphedPasses
+from kev.exec.graphs import Buckets, CapturePolicy, GraphCache
 from kev.ops import get_ops
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
-from kev.exec.passes import parse_row_buckets
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.plan import parse_row_buckets
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from kev.ops.shapes import ShapeClass
 from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, pair_chunks, static_chunks
 from random_models import random_model, tiny_config
@@ -42,7 +43,7 @@ def model():
 
 def stored(model, ops, doc_lens=(40, 130, 7)):
     bank = Bank.allocate(model.cfg, num_slots=8, num_blocks=128, block_size=16)
-    runner = Runner(model, bank, ops)
+    runner = Passes(model, bank, ops)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in doc_lens]
     handles = [bank.alloc(len(d)) for d in docs]
@@ -91,7 +92,7 @@ def test_state_layout_writes_identical_states(model):
             with torch.no_grad():
                 model(sp.tokens, sp.meta, bank.pools, get_ops("torch"), picks=sp.picks)
         else:
-            Runner(model, bank, get_ops("torch")).state_pass(docs, handles)
+            Passes(model, bank, get_ops("torch")).state_pass(docs, handles)
         banks.append(bank)
     for a, b in zip(banks[0].pools.tensors(), banks[1].pools.tensors()):
         assert torch.equal(a, b)
@@ -175,9 +176,9 @@ def test_start_up_buckets_are_captured_largest_first(model):
     sweep = SweepKey(b.state_key(1, 48), small)
     assert largest_first([small, sweep, long_rows, wide]) == [wide, long_rows, sweep, small]
     bank = Bank.allocate(model.cfg, num_slots=4, num_blocks=64, block_size=16, dtype=torch.float32)
-    graphed = GraphedPasses(Runner(model, bank, CpuTritonOps()), policy=CapturePolicy.WHEN_IDLE)
-    graphed.queue([small, wide, long_rows])
-    assert graphed.pending == [wide, long_rows, small]
+    graphed = Passes(model, bank, CpuTritonOps()).with_graphs(GraphCache(policy=CapturePolicy.WHEN_IDLE))
+    graphed.graphs.queue([small, wide, long_rows])
+    assert graphed.graphs.pending == [wide, long_rows, small]
 
 
 def test_bucket_keys():
@@ -217,57 +218,57 @@ class FakeGraph:
 
 @pytest.fixture
 def fake_capture(monkeypatch):
-    def record(self, entry):
+    def record(self, passes, entry):
         def forward():
             # A real graph reads its index buffers at each replay; the torch maths reads the host
             # copy a PassMeta caches on first use: drop it, so a replay sees the buffers as filled now.
             for s in (entry.static, entry.rows):
                 if s is not None:
                     s.meta.__dict__.pop("host", None)
-            return self._forward(entry)
+            return self._forward(passes, entry)
 
         out = forward()
         return FakeGraph(forward, out), out
 
-    monkeypatch.setattr(GraphedPasses, "_record", record)
+    monkeypatch.setattr(GraphCache, "_record", record)
 
 
 def test_when_idle_policy_queues_then_captures(model, fake_capture):
     runner, docs, handles = stored(model, CpuTritonOps())
-    graphed = GraphedPasses(runner, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
+    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.WHEN_IDLE, min_uses=2))
     batch = row_batch(docs, handles, lens=(12, 30, 5))
     ref = runner.row_pass(batch)
     first = graphed.row_pass(batch)  # eager (bucketed), not queued yet
-    assert graphed.pending == [] and graphed.stats.eager_bucketed == 1
+    assert graphed.graphs.pending == [] and graphed.graphs.stats.eager_bucketed == 1
     second = graphed.row_pass(batch)  # second use: queued, still eager: a busy server never captures
     key = GraphKey(PassKind.ROWS, 3, 32, 16)
-    assert graphed.pending == [key] and graphed.graphs() == [] and torch.equal(first, second)
-    assert graphed.capture_pending() == 1 and graphed.graphs() == [key] and graphed.pending == []
+    assert graphed.graphs.pending == [key] and graphed.graphs.graphs() == [] and torch.equal(first, second)
+    assert graphed.capture_when_idle() == 1 and graphed.graphs.graphs() == [key] and graphed.graphs.pending == []
     third = graphed.row_pass(row_batch(docs, handles, lens=(12, 30, 5)))
-    assert graphed.stats.replays == 1 and torch.equal(first, third)
+    assert graphed.graphs.stats.replays == 1 and torch.equal(first, third)
     assert rel_err(ref, first) <= 1e-5
 
 
 def test_first_use_policy_lru_and_fallbacks(model, fake_capture):
     runner, docs, handles = stored(model, CpuTritonOps())
-    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE, max_graphs=2)
+    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.ON_FIRST_USE, max_graphs=2))
     for lens in [(3, 4), (20,), (3, 40, 2)]:  # buckets (2, 16), (1, 32), (3, 48)
         b = row_batch(docs, handles, lens=lens)
         assert rel_err(runner.row_pass(b), graphed.row_pass(b)) <= 1e-5
-    assert graphed.stats.captures == 3 and graphed.stats.evictions == 1
-    assert graphed.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 3, 48, 16)]
+    assert graphed.graphs.stats.captures == 3 and graphed.graphs.stats.evictions == 1
+    assert graphed.graphs.graphs() == [GraphKey(PassKind.ROWS, 1, 32, 8), GraphKey(PassKind.ROWS, 3, 48, 16)]
     too_long = row_batch(docs, handles, lens=(200,))
-    assert torch.equal(graphed.row_pass(too_long), runner.row_pass(too_long)) and graphed.stats.unbucketed == 1
+    assert torch.equal(graphed.row_pass(too_long), runner.row_pass(too_long)) and graphed.graphs.stats.unbucketed == 1
     no_lens = RowBatch(*[getattr(too_long, f) for f in ("tokens", "cu_seqlens", "slots", "doc_lens", "picks",
                                                           "positions")])
     graphed.row_pass(no_lens)
-    assert graphed.stats.unbucketed == 2
+    assert graphed.graphs.stats.unbucketed == 2
 
 
 @pytest.mark.parametrize("lens,bucket", [((50, 9), (2, 64)), ((64, 1, 33, 17, 64, 5, 40), (8, 64))],
                          ids=["2-docs", "7-docs-in-8"])
 def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture, lens, bucket):
-    """Padded state passes store exactly what Runner.state_pass stores, beyond 4 documents too
+    """Padded state passes store exactly what Passes.state_pass stores, beyond 4 documents too
     (documents of exactly L tokens: an empty padding sequence after them; one empty pair)."""
     g = torch.Generator().manual_seed(9)
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
@@ -275,14 +276,15 @@ def test_graphed_state_pass_writes_what_the_runner_writes(model, fake_capture, l
     for graphed in (False, True):
         bank = Bank.allocate(model.cfg, num_slots=len(docs) + 2, num_blocks=128, block_size=16)
         bank.alloc(3)  # the documents land in other slots than 0
-        runner = Runner(model, bank, CpuTritonOps())
+        runner = Passes(model, bank, CpuTritonOps())
         handles = [bank.alloc(len(d)) for d in docs]
         if graphed:
-            passes = GraphedPasses(runner, Buckets(docs=(bucket[0],), doc_tokens=(bucket[1],)),
-                                   policy=CapturePolicy.ON_FIRST_USE)
-            assert passes.state_bucket(len(docs), max(lens)) == GraphKey(PassKind.STATE, *bucket)
+            passes = runner.with_graphs(GraphCache(Buckets(docs=(bucket[0],), doc_tokens=(bucket[1],)),
+                                                   policy=CapturePolicy.ON_FIRST_USE))
+            assert passes.graphs.state_bucket(len(docs), max(lens), passes.state_chunk_tokens) == \
+                GraphKey(PassKind.STATE, *bucket)
             passes.state_pass(docs, handles)
-            assert passes.stats.captures == 1 and passes.stats.replays == 1
+            assert passes.graphs.stats.captures == 1 and passes.graphs.stats.replays == 1
         else:
             runner.state_pass(docs, handles)
         banks.append(bank)
@@ -311,17 +313,17 @@ def test_graphed_sweep_matches_the_runner(model, fake_capture):
     for graphed in (False, True):
         bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
         bank.alloc(3)  # the documents land in other slots than 0
-        runner = Runner(model, bank, CpuTritonOps())
-        passes = GraphedPasses(runner, PADDED_ROWS, policy=CapturePolicy.ON_FIRST_USE) if graphed else runner
+        runner = Passes(model, bank, CpuTritonOps())
+        passes = runner.with_graphs(GraphCache(PADDED_ROWS, policy=CapturePolicy.ON_FIRST_USE)) if graphed else runner
         out = []
         for rep in range(2):
             docs, handles, batch = new_documents_and_rows(bank, 40 + rep)
-            out.append((passes.state_and_row_pass(docs, handles, batch), [t.clone() for t in bank.pools.tensors()]))
+            out.append((passes.sweep(docs, handles, batch), [t.clone() for t in bank.pools.tensors()]))
             for h in handles:
                 bank.free(h)
         if graphed:
-            assert passes.graphs() == [SweepKey(GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 32))]
-            assert passes.stats.captures == 1 and passes.stats.replays == 2 and passes.stats.unbucketed == 0
+            assert passes.graphs.graphs() == [SweepKey(GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 32))]
+            assert passes.graphs.stats.captures == 1 and passes.graphs.stats.replays == 2 and passes.graphs.stats.unbucketed == 0
         results.append(out)
     for (h1, bank1), (h2, bank2) in zip(*results):
         assert rel_err(h1, h2) <= 1e-5
@@ -333,23 +335,23 @@ def test_sweep_without_its_graph_replays_the_two_graphs(model, fake_capture):
     """WHEN_IDLE: until a sweep bucket is captured, a state graph and a row graph that exist run
     instead of an eager sweep; the sweep is queued after `min_uses` uses and replayed once captured."""
     bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
-    runner = Runner(model, bank, CpuTritonOps())
-    passes = GraphedPasses(runner, PADDED_ROWS, policy=CapturePolicy.WHEN_IDLE, min_uses=2)
+    runner = Passes(model, bank, CpuTritonOps())
+    passes = runner.with_graphs(GraphCache(PADDED_ROWS, policy=CapturePolicy.WHEN_IDLE, min_uses=2))
     state, rows = GraphKey(PassKind.STATE, 2, 64), GraphKey(PassKind.ROWS, 4, 32, 32)
-    passes.capture([state, rows])
+    passes.graphs.capture(passes, [state, rows])
     outs = []
     for rep in range(3):
         docs, handles, batch = new_documents_and_rows(bank, 50 + rep)
-        replays = passes.stats.replays
-        outs.append(passes.state_and_row_pass(docs, handles, batch))
-        assert passes.stats.replays - replays == (2 if rep < 2 else 1) and passes.stats.eager_bucketed == 0
+        replays = passes.graphs.stats.replays
+        outs.append(passes.sweep(docs, handles, batch))
+        assert passes.graphs.stats.replays - replays == (2 if rep < 2 else 1) and passes.graphs.stats.eager_bucketed == 0
         ref = runner.row_pass(batch)  # the states the sweep stored, read by the plain row pass
         assert rel_err(ref, outs[-1]) <= 1e-5
         for h in handles:
             bank.free(h)
         if rep == 1:
-            assert passes.pending == [SweepKey(state, rows)] and passes.capture_pending() == 1
-    assert SweepKey(state, rows) in passes.graphs()
+            assert passes.graphs.pending == [SweepKey(state, rows)] and passes.capture_when_idle() == 1
+    assert SweepKey(state, rows) in passes.graphs.graphs()
 
 
 def test_gathered_plan_follows_a_bucket_between_replays():

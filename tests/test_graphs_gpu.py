@@ -6,7 +6,7 @@ head_dim 256), random bf16 weights, documents of 5..1,100 tokens in the bank, ev
   into a bucket (rows padded at their end; documents followed by padding sequences, with empty
   sequences and no-op chunks);
 - graph replays equal eager runs of the same bucket bit for bit, with new rows, slots, prefix
-  lengths and row lengths between replays; an exactly fitting batch equals `Runner.row_pass` bit
+  lengths and row lengths between replays; an exactly fitting batch equals `Passes.row_pass` bit
   for bit; padded batches are reported against it (other GEMM row counts);
 - graphed short state passes store what the eager pass stores;
 - every autotuner a pass launches is a hot (class-cached) one; capture after warm-up never tunes.
@@ -20,13 +20,14 @@ from triton.runtime.autotuner import Autotuner
 
 from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, make_pools, packed, rel_err
 from kev.bank.bank import Bank
-from kev.exec.graphs import Buckets, CapturePolicy, GraphedPasses, largest_first
+from kev.exec.graphs import Buckets, CapturePolicy, GraphCache, largest_first
 from kev.ops.shapes import ShapeClass
 from kev.ops.autotune import ClassTuner, graph_bench
 from kev.exec.warm_up import warm_up
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from kev.exec.static_pass import GraphKey, PassKind, StaticPass
 from random_models import random_model
 
@@ -50,7 +51,7 @@ def setup(hot):
     bank = Bank.allocate(cfg, num_slots=16, num_blocks=16 * 36, block_size=64, dtype=torch.bfloat16,
                          device="cuda", max_doc_tokens=2304)
     tuner = ClassTuner(hot, bench=graph_bench)  # as serving_tuner, on the fixture's autotuners
-    runner = Runner(model, bank, TritonOps(), tuner=tuner)
+    runner = Passes(model, bank, TritonOps(), tuner=tuner)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in DOC_LENS]
     handles = [bank.alloc(n) for n in DOC_LENS]
@@ -145,8 +146,8 @@ def test_padding_is_exact_in_the_token_mixing_kernels(setup, kind, lens, L, cap)
 @pytest.mark.parametrize("row_counts", [(9, 12, 10), (17, 23, 20), (96, 90, 93)], ids=lambda r: f"rows={r[0]}")
 def test_row_graph_replays_equal_eager_bitwise(setup, row_counts):
     runner, bank = setup["runner"], setup["bank"]
-    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE)
-    eager = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)  # the same buckets, never captured
+    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.ON_FIRST_USE))
+    eager = runner.with_graphs(GraphCache(policy=CapturePolicy.WARMUP_ONLY))  # the same buckets, never captured
     before = [t.clone() for t in bank.pools.tensors()]
     report = []
     for seed, n_rows in enumerate(row_counts):  # new rows, slots, prefix lengths, row lengths and count: one graph
@@ -157,8 +158,8 @@ def test_row_graph_replays_equal_eager_bitwise(setup, row_counts):
         plain = runner.row_pass(batch)
         report.append((torch.equal(a, plain), rel_err(plain, a)))
         assert rel_err(plain, a) <= 2e-2
-    assert graphed.stats.captures == 1 and graphed.stats.replays == 3 and eager.stats.eager_bucketed == 3
-    print(f"rows={row_counts}: padded bucket vs unpadded Runner.row_pass (bitwise, rel err):", report)
+    assert graphed.graphs.stats.captures == 1 and graphed.graphs.stats.replays == 3 and eager.graphs.stats.eager_bucketed == 3
+    print(f"rows={row_counts}: padded bucket vs unpadded Passes.row_pass (bitwise, rel err):", report)
     for b, a in zip(before, bank.pools.tensors()):
         assert torch.equal(b, a), "a graphed row pass changed the bank"
 
@@ -168,16 +169,16 @@ def test_exact_fit_equals_runner_bitwise(setup, n_rows, row_len):
     # 8 picks a row: 64 and 512 picks are picks buckets above the PICKS_PER_ROW floor, so the last
     # layer's projection (run on the picks) sees the same M in the graph as in the unpadded pass.
     runner = setup["runner"]
-    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE)
+    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.ON_FIRST_USE))
     g = torch.Generator().manual_seed(n_rows)
     rows = [torch.randint(0, 300, (row_len,), generator=g).tolist() for _ in range(n_rows)]
     owners = [i % len(DOC_LENS) for i in range(n_rows)]
     batch = RowBatch.build(rows, [setup["handles"][o] for o in owners], [DOC_LENS[o] for o in owners],
                            [[row_len - 1, *range(3, 17, 2)]] * n_rows, device="cuda")
-    key = graphed.buckets.row_key(n_rows, row_len, batch.picks.shape[0])
+    key = graphed.graphs.buckets.row_key(n_rows, row_len, batch.picks.shape[0])
     assert (key.seqs, key.seq_len, key.picks) == (n_rows, row_len, batch.picks.shape[0]), key
     a = graphed.row_pass(batch)
-    assert graphed.stats.replays == 1
+    assert graphed.graphs.stats.replays == 1
     assert torch.equal(a, runner.row_pass(batch))
 
 
@@ -192,8 +193,8 @@ def test_graphed_state_pass_stores_what_eager_stores(setup, lens):
     runner, bank = setup["runner"], setup["bank"]
     g = torch.Generator().manual_seed(sum(lens))
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
-    graphed = GraphedPasses(runner, Buckets(), policy=CapturePolicy.ON_FIRST_USE)
-    eager = GraphedPasses(runner, Buckets(), policy=CapturePolicy.WARMUP_ONLY)
+    graphed = runner.with_graphs(GraphCache(Buckets(), policy=CapturePolicy.ON_FIRST_USE))
+    eager = runner.with_graphs(GraphCache(Buckets(), policy=CapturePolicy.WARMUP_ONLY))
     results = []
     for passes in (graphed, eager, None):
         handles = [bank.alloc(n) for n in lens]
@@ -201,11 +202,11 @@ def test_graphed_state_pass_stores_what_eager_stores(setup, lens):
         results.append([s.clone() for h, n in zip(handles, lens) for s in slot_states(bank, h, n)])
         for h in handles:
             bank.free(h)
-    assert graphed.stats.captures == 1 and graphed.stats.replays == 1
+    assert graphed.graphs.stats.captures == 1 and graphed.graphs.stats.replays == 1
     for a, b, c in zip(*results):
         assert torch.equal(a, b), "graphed state pass != eager bucketed pass"
         assert rel_err(c, a) <= 2e-2
-    print(f"state pass {lens}: bucketed == Runner.state_pass bitwise:",
+    print(f"state pass {lens}: bucketed == Passes.state_pass bitwise:",
           all(torch.equal(a, c) for a, _, c in zip(*results)))
 
 
@@ -218,7 +219,7 @@ def sweep(setup, passes, docs, rows, owners):
     every, every_len = handles + setup["handles"], doc_lens + list(DOC_LENS)
     batch = RowBatch.build(rows, [every[o] for o in owners], [every_len[o] for o in owners],
                            [[len(r) - 1] for r in rows], device="cuda")
-    hidden = passes.state_and_row_pass(docs, handles, batch)
+    hidden = passes.sweep(docs, handles, batch)
     states = [s.clone() for h, n in zip(handles, doc_lens) for s in slot_states(bank, h, n)]
     for h in handles:
         bank.free(h)
@@ -231,8 +232,8 @@ def test_sweep_graph_replays_equal_eager_bitwise(setup, doc_lens, n_rows):
     bucket: replays with new documents, slots and rows equal eager runs of the same bucket bit for
     bit, hidden states and stored states; the unpadded sweep agrees to bf16 (other GEMM row counts)."""
     runner = setup["runner"]
-    graphed = GraphedPasses(runner, policy=CapturePolicy.ON_FIRST_USE)
-    eager = GraphedPasses(runner, policy=CapturePolicy.WARMUP_ONLY)  # the same buckets, never captured
+    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.ON_FIRST_USE))
+    eager = runner.with_graphs(GraphCache(policy=CapturePolicy.WARMUP_ONLY))  # the same buckets, never captured
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in doc_lens]
@@ -248,7 +249,7 @@ def test_sweep_graph_replays_equal_eager_bitwise(setup, doc_lens, n_rows):
         for sa, sb, sc in zip(states_a, states_b, states_c):
             assert torch.equal(sa, sb), "sweep replay stored other states than the eager bucket"
             assert rel_err(sc, sa) <= 2e-2
-    assert graphed.stats.captures == 1 and graphed.stats.replays == 3 and eager.stats.eager_bucketed == 3
+    assert graphed.graphs.stats.captures == 1 and graphed.graphs.stats.replays == 3 and eager.graphs.stats.eager_bucketed == 3
 
 
 def test_sweep_indexed_equals_gathered_bitwise(setup):
@@ -258,7 +259,7 @@ def test_sweep_indexed_equals_gathered_bitwise(setup):
     from kev.ops.gathered_ops import GatheredOps
 
     runner = setup["runner"]
-    gathered = Runner(runner.model, setup["bank"], GatheredOps(), tuner=setup["tuner"])
+    gathered = Passes(runner.model, setup["bank"], GatheredOps(), tuner=setup["tuner"])
     g = torch.Generator().manual_seed(11)
     doc_lens = (700, 30)
     docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in doc_lens]
@@ -304,12 +305,12 @@ def test_capture_after_warm_up_never_autotunes(setup, monkeypatch):
         raise AssertionError(f"{self.base_fn.__name__} autotuned after warm-up")
 
     monkeypatch.setattr(Autotuner, "_bench", no_bench)
-    graphed = GraphedPasses(setup["runner"], policy=CapturePolicy.WARMUP_ONLY)
+    graphed = setup["runner"].with_graphs(GraphCache(policy=CapturePolicy.WARMUP_ONLY))
     buckets = Buckets()
     keys = [buckets.row_key(6, 32, 1), buckets.row_key(24, 48, 1), buckets.row_key(96, 64, 1),
             GraphKey(PassKind.STATE, 1, 2304)]
-    graphed.capture(keys)
-    assert graphed.graphs() == largest_first(keys)  # captured most rows first
+    graphed.graphs.capture(graphed, keys)
+    assert graphed.graphs.graphs() == largest_first(keys)  # captured most rows first
     assert {cls: [len(c) for c in tuner.caches(cls).values()] for cls in WARM} == sizes
     out = graphed.row_pass(make_batch(setup, 90, 3, row_len=64))
-    assert graphed.stats.replays == 1 and torch.isfinite(out.float()).all()
+    assert graphed.graphs.stats.replays == 1 and torch.isfinite(out.float()).all()

@@ -458,11 +458,12 @@ def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
 
 
 def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_model):
-    """Whole model, one sweep (`Runner.state_and_row_pass`): new documents, then rows over them and
+    """Whole model, one sweep (`Passes.sweep`): new documents, then rows over them and
     over a stored one, in one pass over the weights (the joined delta rule, the last layer's
     K/V-only store). Triton indexed == gathered bit for bit, both ~= torch and ~= two passes."""
     from kev.bank.bank import Bank
-    from kev.exec.runner import RowBatch, Runner
+    from kev.exec.batch import RowBatch
+    from kev.exec.passes import Passes
 
     g = torch.Generator().manual_seed(4)
     stored_doc = [torch.randint(0, 300, (90,), generator=g).tolist()]
@@ -474,14 +475,14 @@ def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_mode
     for name, ops in named:
         for sweep in (True, False):
             bank = Bank.allocate(tiny_model.cfg, num_slots=6, num_blocks=64, block_size=16)
-            runner = Runner(tiny_model, bank, ops)
+            runner = Passes(tiny_model, bank, ops)
             old = bank.alloc(90)
             runner.state_pass(stored_doc, [old])
             new = [bank.alloc(len(d)) for d in new_docs]
             owners = [new[0], old, new[1]]
             batch = RowBatch.build(rows, owners, [66, 90, 3], [[len(r) - 1, 0] for r in rows])
             if sweep:
-                outs[name, sweep] = runner.state_and_row_pass(new_docs, new, batch)
+                outs[name, sweep] = runner.sweep(new_docs, new, batch)
             else:
                 runner.state_pass(new_docs, new)
                 outs[name, sweep] = runner.row_pass(batch)

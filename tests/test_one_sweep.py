@@ -1,4 +1,4 @@
-"""One sweep over the weights for new documents and their rows (`Runner.state_and_row_pass`)
+"""One sweep over the weights for new documents and their rows (`Passes.sweep`)
 equals the two passes it replaces: the same stored states and the same picked hidden states, bit
 for bit on CPU (batch-invariant projections; the reference mixers run sequence by sequence)."""
 
@@ -7,7 +7,8 @@ import torch
 
 from kev.bank.bank import Bank
 from kev.ops import get_ops
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from random_models import random_model, tiny_config
 
 
@@ -18,7 +19,7 @@ def model(request):
 
 
 def make_runner(model, chunk=8192):
-    return Runner(model, Bank.allocate(model.cfg, num_slots=8, num_blocks=64, block_size=16), get_ops("torch"),
+    return Passes(model, Bank.allocate(model.cfg, num_slots=8, num_blocks=64, block_size=16), get_ops("torch"),
                   state_chunk_tokens=chunk)
 
 
@@ -44,7 +45,7 @@ def run_both(model, docs, rows, picks, owners, stored=()):
         all_docs = list(docs) + list(stored)
         batch = RowBatch.build(rows, [handles[o] for o in owners], [len(all_docs[o]) for o in owners], picks)
         if one_sweep:
-            hidden = runner.state_and_row_pass(docs, new, batch)
+            hidden = runner.sweep(docs, new, batch)
         else:
             runner.state_pass(docs, new)
             hidden = runner.row_pass(batch)
@@ -81,5 +82,5 @@ def test_long_documents_fall_back_to_two_passes(model):
     assert not runner.fits_one_sweep(docs) and runner.fits_one_sweep([docs[0][:64]])
     h = runner.bank.alloc(150)
     batch = RowBatch.build(rows, [h], [150], picks)
-    swept = runner.state_and_row_pass(docs, [h], batch)
+    swept = runner.sweep(docs, [h], batch)
     assert torch.equal(swept, runner.row_pass(batch))

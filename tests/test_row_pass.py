@@ -5,7 +5,8 @@ import torch
 
 from kev.bank.bank import Bank
 from kev.ops import PassMeta, get_ops
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from random_models import random_model, tiny_config
 from kernel_support import rel_err
 
@@ -28,7 +29,7 @@ def model(request):
 
 def make_runner(model, chunk=8192):
     bank = Bank.allocate(model.cfg, num_slots=8, num_blocks=64, block_size=16)
-    return Runner(model, bank, get_ops("torch"), state_chunk_tokens=chunk)
+    return Passes(model, bank, get_ops("torch"), state_chunk_tokens=chunk)
 
 
 @pytest.mark.parametrize("doc_len,row_lens", [(1, [1, 5]), (63, [64, 3]), (65, [129, 1]), (300, [200, 17])],
@@ -94,7 +95,7 @@ def test_65536_token_document_in_chunks():
     states = []
     for chunk in (8192, 16384):
         bank = Bank.allocate(model.cfg, num_slots=1, num_blocks=65536 // 64, block_size=64)
-        runner = Runner(model, bank, get_ops("torch"), state_chunk_tokens=chunk)
+        runner = Passes(model, bank, get_ops("torch"), state_chunk_tokens=chunk)
         h = bank.alloc(len(doc))
         runner.state_pass([doc], [h])
         states.append((runner, h))

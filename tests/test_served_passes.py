@@ -1,4 +1,4 @@
-"""The services' passes on CPU (kev/exec/passes.py): the plain Runner path unchanged, the settings of the
+"""The services' passes on CPU (kev/exec/passes.py): the plain Passes path unchanged, the settings of the
 CUDA-graph plan, the row worker's capture-when-idle decision, and the graph metrics.
 
 The CUDA side (warm-up, start-up capture, bitwise replays, no autotune after start-up) is in
@@ -18,9 +18,10 @@ from bank_service.config import ConfigError as BankConfigError
 from kev.bank.bank import Bank
 from kev.ops import get_ops
 from kev.ops.shapes import ShapeClass
-from kev.exec.passes import (DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassBuilder, PassRole, parse_doc_buckets,
-                        parse_row_buckets, parse_warm_classes)
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.plan import DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassRole, parse_doc_buckets, parse_row_buckets, parse_warm_classes
+from kev.exec.passes import PassBuilder
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from random_models import random_model, tiny_config
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
@@ -79,7 +80,7 @@ def test_build_warms_the_plan_classes_once(monkeypatch, warm):
     calls = []
     monkeypatch.setattr(passes_module, "_indexed", lambda ops: True)
     monkeypatch.setattr(passes_module, "serving_tuner", lambda: "tuner")
-    monkeypatch.setattr(passes_module, "Runner", lambda *a, **k: SimpleNamespace(device="cuda"))
+    monkeypatch.setattr(passes_module, "Passes", lambda *a, **k: SimpleNamespace(device="cuda"))
     monkeypatch.setattr(passes_module, "warm_up", lambda runner, classes: calls.append(list(classes)) or list(classes))
     bank = SimpleNamespace(block_table=SimpleNamespace(device=torch.device("cuda")))
     builder = PassBuilder(None, None, PassRole.STATES, GraphPlan(max_graphs=0, warm=warm))
@@ -205,7 +206,7 @@ def test_gathered_scorer_caps_its_document_limit():
         ScorerConfig.from_env({**SCORER_ENV, "KEV_OPS": "gathered", "KEV_GATHERED_MAX_PREFIX_TOKENS": "0"}, [])
 
 
-# ---- the CPU path: a plain Runner --------------------------------------------------------------
+# ---- the CPU path: a plain Passes --------------------------------------------------------------
 
 @pytest.mark.parametrize("role", list(PassRole))
 def test_cpu_builds_a_plain_runner(role):
@@ -214,25 +215,25 @@ def test_cpu_builds_a_plain_runner(role):
     bank = Bank.allocate(cfg, num_slots=4, num_blocks=16, block_size=64, max_doc_tokens=256)
     builder = PassBuilder(model, get_ops("torch"), role)
     passes = builder.build(bank)
-    assert passes.graphed is None and passes.runner.tuner is None and builder.tuner is None
+    assert passes.graphs is None and passes.tuner is None and builder.tuner is None
     assert builder.graph_stats is None and builder.warmed == []
     assert not passes.idle_work and passes.capture_when_idle() == 0
     g = torch.Generator().manual_seed(0)
     doc = torch.randint(0, cfg.vocab_size, (70,), generator=g).tolist()
     a, b = bank.alloc(70), bank.alloc(70)
     passes.state_pass([doc], [a])
-    Runner(model, bank, get_ops("torch")).state_pass([doc], [b])
+    Passes(model, bank, get_ops("torch")).state_pass([doc], [b])
     for pool in bank.pools.recurrent + bank.pools.conv:
         assert torch.equal(pool[a.slot], pool[b.slot])
     rows = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
     batch = RowBatch.build(rows, [a, b], [70, 70], [[4], [2, 8]])
-    assert torch.equal(passes.row_pass(batch), Runner(model, bank, get_ops("torch")).row_pass(batch))
+    assert torch.equal(passes.row_pass(batch), Passes(model, bank, get_ops("torch")).row_pass(batch))
 
 
 # ---- the row worker captures only when its queue is empty ---------------------------------------
 
 class FakePasses:
-    """Stands in for `ServedPasses`: graphs waiting to be captured, and a record of when."""
+    """Stands in for `Passes`: graphs waiting to be captured, and a record of when."""
 
     def __init__(self):
         self.pending = 0

@@ -3,11 +3,11 @@
 What the bank and a scorer build at start-up, on a small model (width 512, 4 layers) with Kev-4B's
 heads, random bf16 weights, projections fused as `LoadedModel` does on GPU:
 - the start-up buckets are captured after every class of the role was warmed;
-- a scorer-style row pass through the served passes equals `Runner.row_pass` bit for bit when the
+- a scorer-style row pass through the served passes equals `Passes.row_pass` bit for bit when the
   batch fills its bucket exactly, and is close when padded;
 - after start-up nothing autotunes: replays, eager bucketed passes, unbucketed passes, idle captures;
 - a re-attach builds new graphs (queued, captured when idle) without warming again, with the same results;
-- the bank's graphed short state passes store close to what `Runner.state_pass` stores.
+- the bank's graphed short state passes store close to what `Passes.state_pass` stores.
 Autotuning here benchmarks with short reps (the configs only have to be consistent, not best).
 """
 
@@ -21,8 +21,10 @@ from kev.bank.bank import Bank
 from kev.exec.graphs import largest_first
 from kev.ops.shapes import ShapeClass
 from kev.ops.triton_ops import TritonOps
-from kev.exec.passes import GraphPlan, PassBuilder, PassRole
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.plan import GraphPlan, PassRole
+from kev.exec.passes import PassBuilder
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from random_models import random_model
 from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_config, rel_err
 
@@ -88,30 +90,30 @@ def test_start_up_warms_the_role_then_captures_its_plan(served):
     # every hot kernel a warmed class launches has a config there
     assert all(len(scorer.tuner.caches(c)[name]) for c in scorer.warmed
                for name in class_launches(c, scorer.tuner.autotuners))
-    assert passes.graphed.graphs() == largest_first(scorer.start_keys(passes.graphed.buckets)) and len(passes.graphed.graphs()) == 3
-    assert passes.graphed.stats is scorer.graph_stats and not passes.graphed.stats.capture_errors
+    assert passes.graphs.graphs() == largest_first(scorer.start_keys(passes.graphs.buckets)) and len(passes.graphs.graphs()) == 3
+    assert passes.graphs.stats is scorer.graph_stats and not passes.graphs.stats.capture_errors
     bank_builder, bank_passes = served["bank_builder"], served["bank_passes"]
     assert bank_builder.warmed == list(ShapeClass) and bank_builder.tuner is not scorer.tuner
-    assert len(bank_passes.graphed.graphs()) == 2
+    assert len(bank_passes.graphs.graphs()) == 2
 
 
 def test_served_row_pass_equals_runner_bitwise(served, no_autotune):
     passes = served["passes"]
-    replays = passes.graphed.stats.replays
+    replays = passes.graphs.stats.replays
     batch = row_batch(served, 8, 32, 8, seed=1, exact=True)  # bucket (8, 32, 64) exactly: a start-up graph
     out = passes.row_pass(batch)
-    assert passes.graphed.stats.replays == replays + 1
+    assert passes.graphs.stats.replays == replays + 1
     assert torch.isfinite(out.float()).all()
-    assert torch.equal(out, passes.runner.row_pass(batch)), "served replay != Runner.row_pass"
+    assert torch.equal(out, passes.row_pass(batch)), "served replay != Passes.row_pass"
     padded = row_batch(served, 90, 64, 4, seed=2)  # bucket (96, 64, 512), padded
     out = passes.row_pass(padded)
-    assert passes.graphed.stats.replays == replays + 2
-    assert rel_err(passes.runner.row_pass(padded), out) <= 2e-2
+    assert passes.graphs.stats.replays == replays + 2
+    assert rel_err(passes.row_pass(padded), out) <= 2e-2
 
 
 def test_nothing_autotunes_after_start_up(served, no_autotune):
     passes = served["passes"]
-    stats = passes.graphed.stats
+    stats = passes.graphs.stats
     before = (stats.replays, stats.eager_bucketed, stats.unbucketed, stats.captures)
     small = row_batch(served, 3, 16, 2, seed=3)  # bucket (4, 16, 8): no graph yet
     first = passes.row_pass(small)
@@ -132,12 +134,12 @@ def test_reattach_queues_new_graphs_without_warming_again(served, no_autotune, m
     scorer, passes = served["scorer"], served["passes"]
     monkeypatch.setattr(passes_module, "warm_up", lambda *a, **k: pytest.fail("warmed up again"))
     again = scorer.build(served["bank"], capture=False)  # what a re-attach does
-    keys = largest_first(scorer.start_keys(again.graphed.buckets))  # capture order
-    assert again.graphed is not passes.graphed and again.runner.tuner is scorer.tuner
-    assert again.graphed.graphs() == [] and again.graphed.pending == keys
+    keys = largest_first(scorer.start_keys(again.graphs.buckets))  # capture order
+    assert again.graphs is not passes.graphs and again.tuner is scorer.tuner
+    assert again.graphs.graphs() == [] and again.graphs.pending == keys
     while again.idle_work:
         again.capture_when_idle()
-    assert again.graphed.graphs() == keys and not again.graphed.stats.capture_errors
+    assert again.graphs.graphs() == keys and not again.graphs.stats.capture_errors
     batch = row_batch(served, 8, 32, 8, seed=5, exact=True)
     assert torch.equal(again.row_pass(batch), passes.row_pass(batch))
 
@@ -154,7 +156,7 @@ def test_bank_state_passes(served, no_autotune, lens):
     bank, bank_passes = served["bank"], served["bank_passes"]
     g = torch.Generator().manual_seed(sum(lens))
     docs = [torch.randint(0, served["cfg"].vocab_size, (n,), generator=g).tolist() for n in lens]
-    plain = Runner(served["model"], bank, bank_passes.runner.ops, tuner=served["bank_builder"].tuner)
+    plain = Passes(served["model"], bank, bank_passes.ops, tuner=served["bank_builder"].tuner)
     results = []
     for passes in (bank_passes, plain):
         handles = [bank.alloc(n) for n in lens]

@@ -19,7 +19,7 @@ from kev.bank.bank import Bank
 from kev.engine import Engine
 from kev.loading import LoadedModel
 from kev.ops import get_ops
-from kev.exec.passes import GraphPlan, parse_doc_buckets, parse_row_buckets
+from kev.exec.plan import GraphPlan, parse_doc_buckets, parse_row_buckets
 from kev.request.prompts import Limits
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ def test_cuda_stack_answers_like_the_cuda_engine(tmp_path):
                             max_doc_tokens=MAX_DOC_TOKENS)
     plan = GraphPlan(rows=parse_row_buckets(SMALL_ROWS), docs=parse_doc_buckets(SMALL_DOCS), max_graphs=16)
     engine = Engine(loaded, bank, get_ops("triton"), plan)
-    assert engine.passes.graphed is not None and len(engine.passes.graphed.graphs()) == 8
+    assert engine.passes.graphs is not None and len(engine.passes.graphs.graphs()) == 8
     want = [engine.score(r) for r in requests]
 
     cuda = {"KEV_DEVICE": "cuda", "KEV_MAX_GRAPHS": "16"}

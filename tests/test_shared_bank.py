@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from kev.bank.bank import Bank, BankHandle, StaleHandle
 from kev.bank.shared import SharedBank, attach, generation_seed
 from kev.ops import get_ops
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
 from kev.v1 import bank_pb2 as pb
 from random_models import random_model, tiny_config
 
@@ -35,7 +36,8 @@ MAPPER = textwrap.dedent("""
     from kev.bank.bank import BankHandle, StaleHandle
     from kev.bank.shared import attach
     from kev.ops import get_ops
-    from kev.exec.runner import RowBatch, Runner
+    from kev.exec.batch import RowBatch
+    from kev.exec.passes import Passes
     from kev.v1 import bank_pb2 as pb
     from random_models import random_model, tiny_config
 
@@ -43,7 +45,7 @@ MAPPER = textwrap.dedent("""
     response = pb.AttachResponse.FromString(open(f"{work}/attach.pb", "rb").read())
     args = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
     bank = attach(response)
-    runner = Runner(random_model(tiny_config(), seed=args["seed"]), bank, get_ops("torch"))
+    runner = Passes(random_model(tiny_config(), seed=args["seed"]), bank, get_ops("torch"))
     read = BankHandle(args["read_slot"], args["read_gen"])
     rows = [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]
     picks = [list(range(len(r))) for r in rows]
@@ -90,12 +92,12 @@ def shared(model, tmp_path):
 def reference_states(model, doc: list[int]) -> list[torch.Tensor]:
     private = Bank.allocate(model.cfg, 1, 16, block_size=16, max_doc_tokens=256)
     h = private.alloc(len(doc))
-    Runner(model, private, get_ops("torch")).state_pass([doc], [h])
+    Passes(model, private, get_ops("torch")).state_pass([doc], [h])
     return slot_state(private.pools, private.block_table, h.slot, len(doc))
 
 
 def test_second_process_reads_and_writes_the_owners_memory(model, shared, tmp_path):
-    owner = Runner(model, shared.bank, get_ops("torch"))
+    owner = Passes(model, shared.bank, get_ops("torch"))
     docs = {name: doc_tokens(n) for name, n in DOCS.items()}
     handles = {name: shared.bank.alloc(len(d)) for name, d in docs.items()}
     owner.state_pass(list(docs.values()), list(handles.values()))
@@ -198,7 +200,7 @@ def test_cuda_ipc_shared_with_a_second_process(model, tmp_path):
         response = bank.attach_response("tiny", "n")
         kinds = {d.name: d.sharing for d in response.pools}
         assert kinds["generations"] == pb.SHARED_MEMORY and kinds["block_table"] == pb.CUDA_IPC
-        owner = Runner(cuda_model, bank.bank, get_ops("torch"))
+        owner = Passes(cuda_model, bank.bank, get_ops("torch"))
         read = bank.bank.alloc(DOCS["paged"])
         owner.state_pass([doc_tokens(DOCS["paged"])], [read])
         write, stale = bank.bank.alloc(33), bank.bank.alloc(3)
@@ -217,7 +219,7 @@ def test_cuda_ipc_shared_with_a_second_process(model, tmp_path):
         assert torch.equal(result["hidden"].cuda(), mine)
         private = Bank.allocate(model.cfg, 1, 16, block_size=16, max_doc_tokens=256, device="cuda")
         h = private.alloc(33)
-        Runner(cuda_model, private, get_ops("torch")).state_pass([list(range(20, 53))], [h])
+        Passes(cuda_model, private, get_ops("torch")).state_pass([list(range(20, 53))], [h])
         got = slot_state(bank.bank.pools, bank.bank.block_table, write.slot, 33)
         ref = slot_state(private.pools, private.block_table, h.slot, 33)
         assert all(torch.equal(a, b) for a, b in zip(got, ref))

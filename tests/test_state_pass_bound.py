@@ -1,4 +1,4 @@
-"""The state pass's memory bound (`kev.exec.runner.state_pass_peak_bytes`): its arithmetic on CPU.
+"""The state pass's memory bound (`kev.exec.memory.state_pass_peak_bytes`): its arithmetic on CPU.
 The GPU test (`test_state_pass_gpu.py`) enforces it against a measured peak."""
 
 import torch
@@ -6,7 +6,8 @@ import torch
 from kev.bank.bank import Bank
 from kev.model.config import ModelConfig
 from kev.ops.torch_ops import TorchOps
-from kev.exec.runner import PEAK_SLACK, Runner, state_pass_peak_bytes
+from kev.exec.passes import Passes
+from kev.exec.memory import PEAK_SLACK, state_pass_peak_bytes
 from random_models import random_model, tiny_config
 
 KEV_4B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, intermediate_size=9216,
@@ -35,7 +36,7 @@ def test_runner_bound_is_its_first_pass():
     cfg = tiny_config()
     model = random_model(cfg)
     bank = Bank.allocate(cfg, num_slots=2, num_blocks=64, dtype=torch.float32)
-    runner = Runner(model, bank, TorchOps(), state_chunk_tokens=256)
+    runner = Passes(model, bank, TorchOps(), state_chunk_tokens=256)
     f32 = torch.float32
     assert runner.state_pass_peak_bytes([5000], f32) == runner.state_pass_peak_bytes([256], f32) \
         == state_pass_peak_bytes(cfg, 256, 1, f32)

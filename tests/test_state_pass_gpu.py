@@ -1,4 +1,4 @@
-"""A long document's state pass stays within `Runner.state_pass_peak_bytes` (H200; `gpu` marker).
+"""A long document's state pass stays within `Passes.state_pass_peak_bytes` (H200; `gpu` marker).
 
 A small model (width 512, 4 layers) with Kev-4B's heads (H 16, HV 32, K = V = 128; Hq 16, Hkv 4,
 head_dim 256), random bf16 weights, fused projections, `TritonOps`. A document of three chunks
@@ -13,7 +13,7 @@ import torch
 
 from kev.bank.bank import Bank
 from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import Runner
+from kev.exec.passes import Passes
 from random_models import random_model
 from kernel_support import kev4b_heads_config
 
@@ -38,7 +38,7 @@ def test_long_document_peak_memory_within_bound():
     pages = -(-n_long // 64)
     bank = Bank.allocate(cfg, num_slots=4, num_blocks=4 * pages, block_size=64, dtype=torch.bfloat16,
                          device="cuda", max_doc_tokens=n_long)
-    runner = Runner(model, bank, TritonOps(), state_chunk_tokens=CHUNK)
+    runner = Passes(model, bank, TritonOps(), state_chunk_tokens=CHUNK)
     g = torch.Generator().manual_seed(0)
     long_doc = torch.randint(0, cfg.vocab_size, (n_long,), generator=g).tolist()
     one_chunk = long_doc[:CHUNK]

@@ -4,7 +4,7 @@ Owner (bank_service): `SharedBank.create(...)` carves every pool, the block tabl
 generations out of shared segments, hands them to a `kev.bank.bank.Bank` (the allocator), and
 describes them as `kev.v1.AttachResponse` TensorDescriptors (`attach_response`).
 Mapper (a colocated scorer): `attach(response)` maps the same memory and returns an
-`AttachedBank`, which `kev.exec.runner.Runner` takes in place of a `Bank` (pools, block_table, check).
+`AttachedBank`, which `kev.exec.passes.Passes` takes in place of a `Bank` (pools, block_table, check).
 No state is ever copied: both processes read and write the same bytes.
 
 Segments
@@ -319,7 +319,7 @@ class SharedBank:
 
 @dataclass(eq=False)
 class AttachedBank:
-    """A mapped view of another process's bank: what `kev.exec.runner.Runner` needs of a bank.
+    """A mapped view of another process's bank: what `kev.exec.passes.Passes` needs of a bank.
 
     `pools` and `block_table` are the owner's memory (writes land in place); `generations` is the
     owner's live generation per slot. Never allocates or frees: that is the owner's job.

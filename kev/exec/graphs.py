@@ -1,11 +1,11 @@
 """CUDA graphs for row passes and short state passes, bucketed by (sequences, tokens each, picks).
 
-`GraphedPasses` mirrors `Runner.row_pass` / `Runner.state_pass` / `Runner.state_and_row_pass`
-(one sweep: a `SweepKey`, a state bucket and a row bucket packed back to back). A pass that fits a bucket
-(`Buckets`) is padded into that bucket's static buffers (`kev.exec.static_pass`); if the bucket has a
-graph it is replayed, else the same padded pass runs eagerly (same kernels, same autotune class,
-so the answer never depends on whether a graph existed). A pass that fits no bucket (too many
-rows, long documents, chunks carried in a slot) runs the plain `Runner` path.
+`GraphCache` is what `kev.exec.passes.Passes` consults: the bucket a pass fits (`Buckets`; a sweep's
+`SweepKey` is a state bucket and a row bucket packed back to back), and the run of a bucketed pass:
+padded into the bucket's static buffers (`kev.exec.static_pass`), its graph replayed, or the same
+padded pass run eagerly until the graph exists (same kernels, same autotune class, so the answer
+never depends on whether a graph existed). A pass that fits no bucket (too many rows, long
+documents, chunks carried in a slot) is `Passes`' own eager path.
 
 The stored-state length is not a bucket dimension: the indexed kernels read each row's prefix
 length at run time, so one graph serves rows over 40-token and 60k-token documents alike.
@@ -23,6 +23,8 @@ which is safe because replays never overlap and outputs are copied out right aft
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import enum
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -32,11 +34,13 @@ import torch
 
 from kev.bank.bank import BankHandle
 from kev.ops.attention.paged_prefix import query_block
-from kev.ops.triton_ops import TritonOps
-from kev.exec.runner import RowBatch, Runner
+from kev.exec.batch import RowBatch
 from kev.ops.meta import PhasedMeta
 from kev.exec.static_pass import PICKS_PER_ROW, GraphKey, PassKind, StaticPass, SweepKey, joined_indices
 
+
+if TYPE_CHECKING:
+    from kev.exec.passes import Passes
 
 AnyKey = GraphKey | SweepKey  # a single pass's bucket, or one sweep's
 
@@ -109,7 +113,7 @@ class Buckets:
 class GraphStats:
     replays: int = 0
     eager_bucketed: int = 0  # bucketed passes run eagerly (no graph yet)
-    unbucketed: int = 0  # passes that fit no bucket (plain Runner)
+    unbucketed: int = 0  # passes that fit no bucket (Passes' eager path)
     captures: int = 0
     evictions: int = 0
     capture_errors: list[str] = field(default_factory=list)
@@ -123,15 +127,14 @@ class _Entry:
         self.out: torch.Tensor | None = None
 
 
-class GraphedPasses:
-    def __init__(self, runner: Runner, buckets: Buckets = Buckets(), policy: CapturePolicy = CapturePolicy.WHEN_IDLE,
+class GraphCache:
+    """A process's CUDA graphs for one bank's passes: buckets, their static buffers and graphs, the
+    capture policy. Methods that run or capture take the `Passes` whose model, bank and ops they use."""
+
+    def __init__(self, buckets: Buckets = Buckets(), policy: CapturePolicy = CapturePolicy.WHEN_IDLE,
                  max_graphs: int = 32, max_entries: int = 64, min_uses: int = 2, stats: GraphStats | None = None):
-        if not isinstance(runner.ops, TritonOps):
-            raise ValueError(f"CUDA graphs need the indexed TritonOps, got {type(runner.ops).__name__}")
-        self.runner, self.buckets, self.policy = runner, buckets, policy
+        self.buckets, self.policy = buckets, policy
         self.max_graphs, self.max_entries, self.min_uses = max_graphs, max_entries, min_uses
-        cfg = runner.model.cfg
-        self.attn_block = query_block(cfg.num_attention_heads // cfg.num_key_value_heads)
         self.stats = stats if stats is not None else GraphStats()  # shared: a process's counts over re-attaches
         self._entries: OrderedDict[AnyKey, _Entry] = OrderedDict()
         self._uses: Counter[AnyKey] = Counter()
@@ -139,86 +142,71 @@ class GraphedPasses:
         self.failed: set[AnyKey] = set()
         self._pool = None
 
-    # ---- the two passes ------------------------------------------------------------------------
+    # ---- which bucket a pass fits ----------------------------------------------------------------
 
-    @torch.no_grad()
-    def row_pass(self, batch: RowBatch) -> torch.Tensor:
-        """Same as `Runner.row_pass(batch)` for the real rows: [P, d] hidden states at the picks."""
-        key = self._row_key(batch)
-        if key is None:
-            self.stats.unbucketed += 1
-            return self.runner.row_pass(batch)
-        entry = self._entry(key)
-        P = entry.static.fill_rows(*batch.host_fields(), self.runner.bank.block_table)
-        return self._run(key, entry)[:P].clone()
-
-    @torch.no_grad()
-    def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
-        """Same as `Runner.state_pass`; short new documents (one chunk each) run bucketed."""
-        key = self._state_key(documents)
-        if key is None:
-            self.stats.unbucketed += 1
-            return self.runner.state_pass(documents, handles)
-        for h in handles:
-            self.runner.bank.check(h)
-        entry = self._entry(key)
-        entry.static.fill_state(documents, [h.slot for h in handles], self.runner.bank.block_table)
-        self._run(key, entry)
-
-    @torch.no_grad()
-    def state_and_row_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
-                           batch: RowBatch) -> torch.Tensor:
-        """Same as `Runner.state_and_row_pass`: one sweep in a `SweepKey` bucket when the documents
-        fit a state bucket and the rows a row bucket; else the two passes, each graphed if it can be.
-        Until the sweep has a graph of its own, a state graph and a row graph that both exist run
-        instead (two replays beat one eager sweep); the sweep's uses still count toward its capture."""
-        state, rows = self._state_key(documents), self._row_key(batch)
-        key = None if state is None or rows is None else SweepKey(state, rows)
-        if key is not None and not self._has_graph(key) and self.policy is not CapturePolicy.ON_FIRST_USE \
-                and self._has_graph(state) and self._has_graph(rows):
-            self._count_use(key)  # two replays now; the sweep is captured once it has been used enough
-            key = None
-        if key is None:
-            self.state_pass(documents, handles)
-            return self.row_pass(batch)
-        for h in handles:
-            self.runner.bank.check(h)
-        entry = self._entry(key)
-        table = self.runner.bank.block_table
-        entry.static.fill_state(documents, [h.slot for h in handles], table)
-        P = entry.rows.fill_rows(*batch.host_fields(), table)
-        return self._run(key, entry)[:P].clone()
-
-    def _row_key(self, batch: RowBatch) -> GraphKey | None:
+    def row_key(self, batch: RowBatch) -> GraphKey | None:
         if not batch.row_lens:  # row lengths unknown on the host: no bucket
             return None
         return self.buckets.row_key(len(batch.row_lens), max(batch.row_lens), batch.picks.shape[0])
 
-    def _state_key(self, documents: Sequence[Sequence[int]]) -> GraphKey | None:
-        lens = [len(d) for d in documents]
-        return self.state_bucket(len(lens), max(lens)) if lens and min(lens) > 0 else None
+    def state_bucket(self, num_docs: int, max_len: int, chunk_tokens: int) -> GraphKey | None:
+        """The bucket a state pass of `num_docs` new documents (the longest `max_len` tokens) runs
+        in, or None: it runs eagerly (too many tokens, or a document longer than a chunk)."""
+        if num_docs < 1 or max_len > chunk_tokens:
+            return None
+        return self.buckets.state_key(num_docs, max_len)
+
+    def sweep_key(self, state: GraphKey | None, rows: GraphKey | None) -> SweepKey | None:
+        """The sweep's bucket, or None: run the two passes (each graphed if it can be). Until the
+        sweep has a graph of its own, a state graph and a row graph that both exist run instead (two
+        replays beat one eager sweep); the sweep's uses still count toward its capture."""
+        if state is None or rows is None:
+            return None
+        key = SweepKey(state, rows)
+        if not self._has_graph(key) and self.policy is not CapturePolicy.ON_FIRST_USE \
+                and self._has_graph(state) and self._has_graph(rows):
+            self._count_use(key)
+            return None
+        return key
 
     def _has_graph(self, key: AnyKey) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.graph is not None
 
-    def state_bucket(self, num_docs: int, max_len: int) -> GraphKey | None:
-        """The bucket a state pass of `num_docs` new documents (the longest `max_len` tokens) runs
-        in, or None: it runs the plain Runner (too many tokens, or a document longer than a chunk)."""
-        if num_docs < 1 or max_len > self.runner.state_chunk_tokens:
-            return None
-        return self.buckets.state_key(num_docs, max_len)
+    # ---- bucketed passes -----------------------------------------------------------------------
+
+    def run_rows(self, passes: Passes, key: GraphKey, batch: RowBatch) -> torch.Tensor:
+        """`batch` in `key`'s bucket: [P, d] hidden states at the real picks."""
+        entry = self._entry(passes, key)
+        P = entry.static.fill_rows(*batch.host_fields(), passes.bank.block_table)
+        return self._run(passes, key, entry)[:P].clone()
+
+    def run_state(self, passes: Passes, key: GraphKey, documents: Sequence[Sequence[int]],
+                  handles: Sequence[BankHandle]) -> None:
+        """New documents (one chunk each, handles checked by the caller) in `key`'s bucket."""
+        entry = self._entry(passes, key)
+        entry.static.fill_state(documents, [h.slot for h in handles], passes.bank.block_table)
+        self._run(passes, key, entry)
+
+    def run_sweep(self, passes: Passes, key: SweepKey, documents: Sequence[Sequence[int]],
+                  handles: Sequence[BankHandle], batch: RowBatch) -> torch.Tensor:
+        """One sweep in `key`'s bucket: the documents' layout, then the rows'."""
+        entry = self._entry(passes, key)
+        table = passes.bank.block_table
+        entry.static.fill_state(documents, [h.slot for h in handles], table)
+        P = entry.rows.fill_rows(*batch.host_fields(), table)
+        return self._run(passes, key, entry)[:P].clone()
 
     # ---- capture -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def capture(self, keys: Iterable[AnyKey]) -> None:
+    def capture(self, passes: Passes, keys: Iterable[AnyKey]) -> None:
         """Capture graphs for `keys` now (start-up, after `warm_up`), on synthetic fills: rows of L
         tokens from nothing, or documents written nowhere."""
         for key in largest_first(keys):
-            entry = self._entry(key)
-            self._fill_synthetic(entry)
-            self._capture(key, entry)
+            entry = self._entry(passes, key)
+            self._fill_synthetic(passes, entry)
+            self._capture(passes, key, entry)
 
     def queue(self, keys: Iterable[AnyKey]) -> None:
         """Queue `keys` for `capture_pending` (a start-up list that must not be captured by the
@@ -227,7 +215,7 @@ class GraphedPasses:
             if key not in self._pending:
                 self._pending.append(key)
 
-    def capture_pending(self, limit: int = 1) -> int:
+    def capture_pending(self, passes: Passes, limit: int = 1) -> int:
         """Capture up to `limit` queued buckets (WHEN_IDLE: call when the server is idle). Buckets
         queued by use still hold their last real pass, so the warm-up run is representative;
         buckets from `queue` get the synthetic fill of `capture`."""
@@ -236,11 +224,11 @@ class GraphedPasses:
             key = self._pending.pop(0)
             entry = self._entries.get(key)
             if entry is None:  # from `queue`: never run yet
-                entry = self._entry(key)
-                self._fill_synthetic(entry)
+                entry = self._entry(passes, key)
+                self._fill_synthetic(passes, entry)
             if entry.graph is None and key not in self.failed:
                 with torch.no_grad():
-                    self._try_capture(key, entry)
+                    self._try_capture(passes, key, entry)
                 done += 1
         return done
 
@@ -253,26 +241,28 @@ class GraphedPasses:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _static(self, key: GraphKey) -> StaticPass:
-        static = StaticPass(key, self.runner.bank.block_table.shape[1], self.attn_block, self.runner.device)
-        self.runner.ops.pin(static.meta, static.indices())
+    def _static(self, passes: Passes, key: GraphKey) -> StaticPass:
+        cfg = passes.model.cfg
+        attn_block = query_block(cfg.num_attention_heads // cfg.num_key_value_heads)
+        static = StaticPass(key, passes.bank.block_table.shape[1], attn_block, passes.device)
+        passes.ops.pin(static.meta, static.indices())
         return static
 
-    def _entry(self, key: AnyKey) -> _Entry:
+    def _entry(self, passes: Passes, key: AnyKey) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
             if isinstance(key, SweepKey):
-                entry = _Entry(self._static(key.state), self._static(key.rows))
+                entry = _Entry(self._static(passes, key.state), self._static(passes, key.rows))
             else:
-                entry = _Entry(self._static(key))
+                entry = _Entry(self._static(passes, key))
             self._entries[key] = entry
             while len(self._entries) > self.max_entries:
                 self._evict(next(iter(self._entries)))
         self._entries.move_to_end(key)
         return entry
 
-    def _forward(self, entry: _Entry) -> torch.Tensor:
-        s, r = entry.static, self.runner
+    def _forward(self, passes: Passes, entry: _Entry) -> torch.Tensor:
+        s, r = entry.static, passes
         if entry.rows is None:
             return r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
         rows, Td = entry.rows, s.key.num_tokens  # one sweep: the documents' tokens, then the rows'
@@ -288,36 +278,36 @@ class GraphedPasses:
                 and key not in self._pending and key not in self.failed):
             self._pending.append(key)
 
-    def _run(self, key: AnyKey, entry: _Entry) -> torch.Tensor:
+    def _run(self, passes: Passes, key: AnyKey, entry: _Entry) -> torch.Tensor:
         if entry.graph is None and key not in self.failed:
             self._count_use(key)
             if self.policy is CapturePolicy.ON_FIRST_USE:
-                self._try_capture(key, entry)
+                self._try_capture(passes, key, entry)
         if entry.graph is not None:
             entry.graph.replay()
             self.stats.replays += 1
             return entry.out
         self.stats.eager_bucketed += 1
-        with self.runner.tuned(key.shape_class):
-            return self._forward(entry)
+        with passes.tuned(key.shape_class):
+            return self._forward(passes, entry)
 
-    def _try_capture(self, key: AnyKey, entry: _Entry) -> None:
+    def _try_capture(self, passes: Passes, key: AnyKey, entry: _Entry) -> None:
         """A lazy capture that fails leaves the bucket eager for good (and says why in stats)."""
         try:
-            self._capture(key, entry)
+            self._capture(passes, key, entry)
         except Exception as e:  # noqa: BLE001 - serving goes on eagerly; the error is kept
             self.failed.add(key)
             self.stats.capture_errors.append(f"{key}: {e!r}")
 
-    def _capture(self, key: AnyKey, entry: _Entry) -> None:
-        with self.runner.tuned(key.shape_class):
-            entry.graph, entry.out = self._record(entry)
+    def _capture(self, passes: Passes, key: AnyKey, entry: _Entry) -> None:
+        with passes.tuned(key.shape_class):
+            entry.graph, entry.out = self._record(passes, entry)
         self.stats.captures += 1
         self._uses.pop(key, None)
         while len(self.graphs()) > self.max_graphs:
             self._evict(next(k for k, e in self._entries.items() if e.graph is not None))
 
-    def _record(self, entry: _Entry) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(self, passes: Passes, entry: _Entry) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm the pass up on a side stream (compiles; autotunes only an unwarmed class), then
         capture it into the shared pool. Returns (graph, its static output)."""
         if self._pool is None:
@@ -325,13 +315,13 @@ class GraphedPasses:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(entry)
+            self._forward(passes, entry)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a server's other threads (a scorer re-attaching, mapping a new bank's memory)
         # may make CUDA calls while its pass thread captures; none of them touches this stream.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(entry)
+            out = self._forward(passes, entry)
         return graph, out
 
     def _evict(self, key: AnyKey) -> None:
@@ -342,20 +332,19 @@ class GraphedPasses:
         if key in self._pending:
             self._pending.remove(key)
 
-    def _fill_synthetic(self, entry: _Entry) -> None:
+    def _fill_synthetic(self, passes: Passes, entry: _Entry) -> None:
         for s in (entry.static, entry.rows):
             if s is not None:
-                self._fill_synthetic_static(s)
+                self._fill_synthetic_static(passes, s)
 
-    def _fill_synthetic_static(self, s: StaticPass) -> None:
-        key, device = s.key, self.runner.device
+    def _fill_synthetic_static(self, passes: Passes, s: StaticPass) -> None:
+        key, device, table = s.key, passes.device, passes.bank.block_table
         if key.kind is PassKind.ROWS:
             R, L = key.seqs, key.seq_len
             cu = torch.arange(R + 1, dtype=torch.int64, device=device) * L
             slots = torch.full((R,), -1, dtype=torch.int64, device=device)
             s.fill_rows(torch.zeros(R * L, dtype=torch.int64, device=device), cu, slots, torch.zeros_like(slots),
                         torch.arange(L, dtype=torch.int64, device=device).repeat(R),
-                        torch.arange(min(key.picks, R * L), dtype=torch.int64, device=device),
-                        self.runner.bank.block_table)
+                        torch.arange(min(key.picks, R * L), dtype=torch.int64, device=device), table)
         else:
-            s.fill_state([[0] * key.seq_len] * key.seqs, [-1] * key.seqs, self.runner.bank.block_table)
+            s.fill_state([[0] * key.seq_len] * key.seqs, [-1] * key.seqs, table)

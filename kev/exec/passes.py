@@ -1,170 +1,119 @@
-"""The passes a serving process runs, built in one place for the bank, a scorer and the engine.
+"""`Passes`: the one object a process runs its passes through, and `PassBuilder`, which makes it.
 
-On CPU, or with the torch reference ops, a process runs a plain `Runner`, exactly as before.
-On CUDA with the indexed `TritonOps` it runs the speed machinery of issue 5:
-- one `ClassTuner` per process (shape-class autotune caches, Triton's disk cache off);
-- `kev.exec.warm_up.warm_up` of every class its passes can use (or the plan's `warm` classes), with
-  the real model, dtypes and pools, once per process and before any CUDA-graph capture;
-- `GraphedPasses` under the WHEN_IDLE policy: the start-up buckets (`GraphPlan`) captured before
-  the process serves; a bucket used twice without a graph is queued and captured by the process's
-  pass thread when its queue is empty (`ServedPasses.capture_when_idle`); at most `max_graphs` kept.
+    passes.state_pass(documents, handles)       # new documents' final states into their slots
+    passes.row_pass(batch)                      # rows continuing stored states -> [P, d] at the picks
+    passes.sweep(documents, handles, batch)     # both in one sweep over the weights
 
-A scorer re-attaches when its bank restarts. `PassBuilder.build` then makes a new Runner and new
-graphs for the new memory (a graph holds the old pools' addresses) but keeps the tuner and its
-warm caches; the start-up buckets are queued, not captured, because the thread that re-attaches
-serves a request and must not capture while the row worker may be running a pass.
+Each call picks how it runs, inside (as nano-vllm's `ModelRunner.run_model` does):
+- with a `GraphCache` (CUDA, the indexed TritonOps): a pass that fits a bucket is padded into the
+  bucket's static buffers and replayed from its CUDA graph, or run eagerly in the same padded shape
+  until the graph exists (same kernels, same autotune class: the answer never depends on which);
+- otherwise, or when it fits no bucket, eagerly on the packed tensors (`_eager_*` below).
+Every eager pass runs under its shape class's autotune caches when the process has a `ClassTuner`.
+
+State passes read long documents in chunks of `state_chunk_tokens` whose state rides in the
+document's own slot; a sweep takes new documents of at most one chunk and the rows that may read
+them, documents first inside every layer (`PhasedMeta`).
+
+`PassBuilder` is made once per process. On CUDA with TritonOps it owns the process's `ClassTuner`,
+warms every class its role uses once (`kev.exec.warm_up`), and gives each `Passes` a graph cache
+with the plan's start-up buckets captured (or queued for `capture_when_idle` on a re-attach: the
+thread that re-attaches serves a request and must not capture while the row worker runs a pass).
 
     builder = PassBuilder(model, ops, PassRole.ROWS, GraphPlan(...))   # once per process
     passes = builder.build(bank)                    # start-up: warm, capture the start-up buckets
     passes = builder.build(new_bank, capture=False) # re-attach: queue them instead
-    passes.row_pass(batch); passes.state_pass(docs, handles)
     if queue_empty and passes.idle_work: passes.capture_when_idle()
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from contextlib import nullcontext
 
 import torch
 
-from kev.bank.bank import BankHandle
-from kev.model.qwen35 import Qwen35Model
-from kev.ops import Ops
-from kev.ops.shapes import ShapeClass
-from kev.ops.autotune import ClassTuner, serving_tuner
+from kev.bank.bank import Bank, BankHandle
+from kev.exec.batch import RowBatch
+from kev.exec.graphs import Buckets, CapturePolicy, GraphCache, GraphStats
+from kev.exec.memory import state_pass_peak_bytes
+from kev.exec.plan import GraphPlan, PassRole
+from kev.exec.static_pass import GraphKey
+from kev.exec.transfer import host_int64, to_device
 from kev.exec.warm_up import warm_up
-from kev.exec.runner import RowBatch, Runner
-from kev.exec.static_pass import PICKS_PER_ROW
-
-if TYPE_CHECKING:
-    from kev.exec.graphs import Buckets, GraphedPasses, GraphStats
-    from kev.exec.static_pass import GraphKey
+from kev.model.qwen35 import Qwen35Model
+from kev.ops import Ops, PassMeta
+from kev.ops.autotune import ClassTuner, serving_tuner
+from kev.ops.meta import PhasedMeta, host_positions
+from kev.ops.shapes import ShapeClass, classify
+from kev.ops.triton_ops import TritonOps
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROW_BUCKETS = ",".join([f"{r}x{n}" for n in (32, 64) for r in (1, 2, 4, 8, 16, 32, 64, 96)])  # 16 graphs
-# 13 graphs: 1..64 short documents of up to 48 tokens (six-short's; powers of two, the rest are captured
-# when idle), 1..6 documents of 2,208 (five-long's 2,200; 6 x 2,208 is the largest bucket under 16,384
-# tokens: 7 is no document count), two between.
-DEFAULT_DOC_BUCKETS = ",".join([*(f"{d}x48" for d in (1, 2, 4, 8, 16, 32, 64)), "1x256", "1x1024",
-                                *(f"{d}x2208" for d in (1, 2, 4, 6))])
 
+class Passes:
+    """Passes against a bank: an owning `Bank`, or any object with the same `pools`, `block_table`
+    and `check` (a scorer's attached view of another process's bank)."""
 
-class PassRole(enum.Enum):
-    """Which passes a process runs: decides the classes it warms and the buckets it captures."""
+    def __init__(self, model: Qwen35Model, bank: Bank, ops: Ops, state_chunk_tokens: int = 8192,
+                 tuner: ClassTuner | None = None, graphs: GraphCache | None = None):
+        if graphs is not None and not isinstance(ops, TritonOps):
+            raise ValueError(f"CUDA graphs need the indexed TritonOps, got {type(ops).__name__}")
+        self.model, self.bank, self.ops = model, bank, ops
+        self.state_chunk_tokens = state_chunk_tokens
+        self.tuner, self.graphs = tuner, graphs
+        self.device = bank.block_table.device
 
-    ROWS = "rows"  # a scorer: row passes over a bank another process owns
-    STATES = "states"  # the bank: state passes
-    BOTH = "both"  # the in-process engine
+    def with_graphs(self, graphs: GraphCache | None) -> "Passes":
+        """The same passes (model, bank, ops, tuner) with another graph cache (None: always eager)."""
+        return Passes(self.model, self.bank, self.ops, self.state_chunk_tokens, self.tuner, graphs)
 
-    @property
-    def rows(self) -> bool:
-        return self is not PassRole.STATES
+    # ---- the three passes ----------------------------------------------------------------------
 
-    @property
-    def states(self) -> bool:
-        return self is not PassRole.ROWS
-
-
-def _parse_buckets(text: str, what: str, sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """'8x32,16x64x128' -> ((8, 32), (16, 64, 128)); 'none' -> (). Each item has one of `sizes` parts."""
-    text = text.strip()
-    if text.lower() == "none":
-        return ()
-    out = []
-    for item in text.split(","):
-        try:
-            parts = tuple(int(p) for p in item.strip().lower().split("x"))
-        except ValueError:
-            parts = ()
-        if len(parts) not in sizes or min(parts) < 1:
-            raise ValueError(f"{what}: {item.strip()!r} is not {' or '.join(_FORMS[n] for n in sizes)} "
-                             f"of positive integers (or write 'none')")
-        out.append(parts)
-    return tuple(out)
-
-
-_FORMS = {2: "NxL", 3: "NxLxP"}
-
-
-def parse_row_buckets(text: str) -> tuple[tuple[int, int, int], ...]:
-    """Start-up row buckets, 'RxL' (rows x tokens each; picks PICKS_PER_ROW x R) or 'RxLxP'."""
-    return tuple((p[0], p[1], p[2] if len(p) == 3 else PICKS_PER_ROW * p[0])
-                 for p in _parse_buckets(text, "row buckets", (2, 3)))
-
-
-def parse_doc_buckets(text: str) -> tuple[tuple[int, int], ...]:
-    """Start-up state buckets, 'DxL' (documents x tokens each)."""
-    return tuple((p[0], p[1]) for p in _parse_buckets(text, "document buckets", (2,)))
-
-
-def parse_warm_classes(text: str) -> tuple[ShapeClass, ...] | None:
-    """The autotune classes warmed at start-up: 'all' or '' -> None (the role's own classes);
-    'none' -> () (nothing warmed: every class autotunes at its first pass); otherwise ShapeClass
-    values separated by commas ('rows_few,rows_mid'), returned in ShapeClass order, once each."""
-    text = text.strip().lower()
-    if text in ("", "all"):
-        return None
-    if text == "none":
-        return ()
-    known = {c.value: c for c in ShapeClass}
-    names = [n.strip() for n in text.split(",")]
-    if unknown := [n for n in names if n not in known]:
-        raise ValueError(f"unknown autotune class(es) {unknown}; known: {', '.join(known)} (or 'all', 'none')")
-    return tuple(c for c in ShapeClass if c.value in names)
-
-
-@dataclass(frozen=True)
-class GraphPlan:
-    """What a process captures at start-up and how many graphs it keeps (CUDA only)."""
-
-    rows: tuple[tuple[int, int, int], ...] = parse_row_buckets(DEFAULT_ROW_BUCKETS)  # (rows, tokens, picks)
-    docs: tuple[tuple[int, int], ...] = parse_doc_buckets(DEFAULT_DOC_BUCKETS)  # (documents, tokens each)
-    max_graphs: int = 32  # graphs kept, least recently used dropped; 0: no CUDA graphs
-    max_rows_per_pass: int | None = None  # row buckets no pass of this size can use are skipped
-    # autotune classes warmed at start-up; None: the role's (`PassBuilder.warm_classes`); a class
-    # not warmed autotunes at its first pass, on that pass's shape alone
-    warm: tuple[ShapeClass, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_graphs < 0:
-            raise ValueError(f"max_graphs must be >= 0, got {self.max_graphs}")
-        if self.warm is not None and not all(isinstance(c, ShapeClass) for c in self.warm):
-            raise ValueError(f"warm must hold ShapeClass members, got {self.warm!r}")
-
-
-class ServedPasses:
-    """`Runner`'s two passes against one bank, through CUDA graphs where the process has them."""
-
-    def __init__(self, runner: Runner, graphed: GraphedPasses | None = None):
-        self.runner, self.graphed = runner, graphed
-        self.device = runner.device
-
-    def row_pass(self, batch: RowBatch) -> torch.Tensor:
-        """[P, d] final hidden states at `batch.picks` (see `Runner.row_pass`)."""
-        if self.graphed is not None:
-            return self.graphed.row_pass(batch)
-        return self.runner.row_pass(batch)
-
+    @torch.no_grad()
     def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
-        """Each document's final states into its slot (see `Runner.state_pass`)."""
-        if self.graphed is not None:
-            return self.graphed.state_pass(documents, handles)
-        return self.runner.state_pass(documents, handles)
+        """Write each document's final states into its (already allocated) slot, in place."""
+        for h in handles:
+            self.bank.check(h)
+        key = self._state_key(documents)
+        if key is not None:
+            return self.graphs.run_state(self, key, documents, handles)
+        self._count_unbucketed()
+        self._eager_state(documents, handles)
 
-    def state_and_row_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
-                           batch: RowBatch) -> torch.Tensor:
-        """New documents and rows (that may read them) in one sweep over the weights (see
-        `Runner.state_and_row_pass`); [P, d] hidden states at `batch.picks`."""
-        if self.graphed is not None:
-            return self.graphed.state_and_row_pass(documents, handles, batch)
-        return self.runner.state_and_row_pass(documents, handles, batch)
+    @torch.no_grad()
+    def row_pass(self, batch: RowBatch) -> torch.Tensor:
+        """[P, d] final hidden states at `batch.picks`; the bank is only read."""
+        key = self.graphs.row_key(batch) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run_rows(self, key, batch)
+        self._count_unbucketed()
+        return self._eager_rows(batch)
+
+    @torch.no_grad()
+    def sweep(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle], batch: RowBatch) -> torch.Tensor:
+        """`state_pass(documents, handles)` then `row_pass(batch)` (whose rows may read those slots)
+        in one sweep over the weights: per layer the documents' token mixing, then the rows'.
+        Documents longer than a chunk (or none) take the two passes; so does a sweep whose bucket
+        has no graph yet while its state and row buckets both have one (two replays beat one eager
+        sweep; its uses still count toward its capture)."""
+        if not self.fits_one_sweep(documents):
+            self.state_pass(documents, handles)
+            return self.row_pass(batch)
+        if self.graphs is None:
+            for h in handles:
+                self.bank.check(h)
+            return self._eager_sweep(documents, handles, batch)
+        key = self.graphs.sweep_key(self._state_key(documents), self.graphs.row_key(batch))
+        if key is None:
+            self.state_pass(documents, handles)
+            return self.row_pass(batch)
+        for h in handles:
+            self.bank.check(h)
+        return self.graphs.run_sweep(self, key, documents, handles, batch)
 
     def synchronize(self) -> None:
         """Returns once every pass launched so far is done on the device. Graph replays and kernels
@@ -173,28 +122,109 @@ class ServedPasses:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    # ---- graphs --------------------------------------------------------------------------------
+
     def state_bucketed(self, num_docs: int, max_len: int) -> bool | None:
         """Whether a state pass of `num_docs` new documents, the longest `max_len` tokens, runs in a
         CUDA-graph bucket (padded static shapes, a graph once captured); None: no graphs here."""
-        if self.graphed is None:
+        if self.graphs is None:
             return None
-        return self.graphed.state_bucket(num_docs, max_len) is not None
+        return self.graphs.state_bucket(num_docs, max_len, self.state_chunk_tokens) is not None
 
     @property
     def idle_work(self) -> bool:
         """Whether a graph waits to be captured (`capture_when_idle`)."""
-        return self.graphed is not None and bool(self.graphed.pending)
+        return self.graphs is not None and bool(self.graphs.pending)
 
     def capture_when_idle(self, limit: int = 1) -> int:
         """Captures up to `limit` queued graphs; returns how many were tried. Call it only from the
         thread that runs this process's passes, and only when its queue is empty: a capture takes
         about two passes' time."""
-        return self.graphed.capture_pending(limit) if self.graphed is not None else 0
+        return self.graphs.capture_pending(self, limit) if self.graphs is not None else 0
+
+    def _state_key(self, documents: Sequence[Sequence[int]]) -> GraphKey | None:
+        if self.graphs is None:
+            return None
+        lens = [len(d) for d in documents]
+        if not lens or min(lens) == 0:
+            return None
+        return self.graphs.state_bucket(len(lens), max(lens), self.state_chunk_tokens)
+
+    def _count_unbucketed(self) -> None:
+        if self.graphs is not None:
+            self.graphs.stats.unbucketed += 1
+
+    # ---- eager passes on the packed tensors ------------------------------------------------------
+
+    def tuned(self, cls: ShapeClass):
+        """Context: `cls`'s autotune caches (nothing without a tuner)."""
+        return self.tuner.use(cls) if self.tuner is not None else nullcontext()
+
+    def phase_scope(self, meta: PassMeta, num_tokens: int):
+        """A phase's token mixing runs with its own class's autotune caches."""
+        return self.tuned(meta.pass_class(num_tokens))
+
+    def fits_one_sweep(self, documents: Sequence[Sequence[int]]) -> bool:
+        """Whether `sweep` runs these documents and rows as one sweep (every document new and at
+        most one chunk long)."""
+        return bool(documents) and all(0 < len(d) <= self.state_chunk_tokens for d in documents)
+
+    def row_meta(self, batch: RowBatch) -> PassMeta:
+        return PassMeta(cu_seqlens=batch.cu_seqlens, read_slots=batch.slots,
+                        write_slots=torch.full_like(batch.slots, -1), prefix_lens=batch.doc_lens,
+                        block_table=self.bank.block_table[batch.slots], positions=batch.positions)
+
+    def _eager_rows(self, batch: RowBatch) -> torch.Tensor:
+        with self.tuned(batch.shape_class):
+            return self.model(batch.tokens, self.row_meta(batch), self.bank.pools, self.ops, picks=batch.picks)
+
+    def _eager_state(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
+        done = 0
+        longest = max((len(d) for d in documents), default=0)
+        while done < longest:
+            # Every document still going contributes its next chunk; the state rides in its slot.
+            live = [i for i, d in enumerate(documents) if len(d) > done]
+            chunks = [documents[i][done : done + self.state_chunk_tokens] for i in live]
+            tokens, meta = self._chunk_pass([handles[i].slot for i in live], chunks, done)
+            with self.tuned(classify(len(chunks), tokens.shape[0])):
+                self.model(tokens, meta, self.bank.pools, self.ops,
+                           picks=torch.zeros(0, dtype=torch.int64, device=self.device))
+            done += self.state_chunk_tokens
+
+    def _eager_sweep(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
+                     batch: RowBatch) -> torch.Tensor:
+        doc_tokens, doc_meta = self._chunk_pass([h.slot for h in handles], documents, 0)
+        Td = doc_tokens.shape[0]
+        meta = PhasedMeta((doc_meta, self.row_meta(batch)), (Td, batch.tokens.shape[0]))
+        with self.tuned(classify(len(documents), Td)):
+            return self.model(torch.cat([doc_tokens, batch.tokens]), meta, self.bank.pools, self.ops,
+                              picks=batch.picks + Td, mixer_scope=self.phase_scope)
+
+    def _chunk_pass(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], done: int):
+        """(tokens, meta) of one state pass: chunk n continues slot n's first `done` tokens (0: new)."""
+        lens = [len(c) for c in chunks]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        parts = ([t for c in chunks for t in c], cu, list(slots), host_positions(lens, [done] * len(lens)))
+        # One host block, one copy that does not wait for the GPU (kev/exec/transfer.py); the fields are views.
+        block = to_device(host_int64(v for part in parts for v in part), self.device)
+        tokens, cu_t, slot_t, positions = block.split([len(p) for p in parts])
+        meta = PassMeta(cu_seqlens=cu_t, read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1),
+                        write_slots=slot_t, prefix_lens=torch.full_like(slot_t, done),
+                        block_table=self.bank.block_table[slot_t], positions=positions)
+        return tokens, meta
+
+    def state_pass_peak_bytes(self, doc_lens: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bound on what `state_pass` of documents of `doc_lens` tokens allocates above weights and
+        bank: its largest pass is the first, every document's first chunk."""
+        first = [min(n, self.state_chunk_tokens) for n in doc_lens if n > 0]
+        return state_pass_peak_bytes(self.model.cfg, sum(first), len(first), dtype) if first else 0
 
 
 class PassBuilder:
-    """Makes a process's `ServedPasses` for each bank it runs against. One per process: it owns
-    the process's `ClassTuner` (CUDA), warms every class once, and keeps one `GraphStats` for the
+    """Makes a process's `Passes` for each bank it runs against. One per process: it owns the
+    process's `ClassTuner` (CUDA), warms every class once, and keeps one `GraphStats` for the
     process's graphs over re-attaches."""
 
     def __init__(self, model: Qwen35Model, ops: Ops, role: PassRole, plan: GraphPlan = GraphPlan(),
@@ -216,39 +246,38 @@ class PassBuilder:
             return [c for c in ShapeClass if c in self.plan.warm]
         return [c for c in ShapeClass if c.rows] if self.role is PassRole.ROWS else list(ShapeClass)
 
-    def build(self, bank, *, capture: bool = True) -> ServedPasses:
+    def build(self, bank, *, capture: bool = True) -> Passes:
         """Passes against `bank` (a `Bank` or an attached view). On CUDA with TritonOps: warm the
         classes (first build only), then capture the start-up buckets now (`capture`) or queue them
         for `capture_when_idle`."""
         if bank.block_table.device.type != "cuda" or not _indexed(self.ops):
             if bank.block_table.device.type == "cuda":
                 log.info("%s ops on CUDA: no class tuning and no CUDA graphs", self.ops.name)
-            return ServedPasses(Runner(self.model, bank, self.ops, self.state_chunk_tokens))
-        from kev.exec.graphs import CapturePolicy, GraphedPasses, GraphStats
-
+            return Passes(self.model, bank, self.ops, self.state_chunk_tokens)
         with self._lock:
             if self.tuner is None:
                 self.tuner, self.graph_stats = serving_tuner(), GraphStats()
-            runner = Runner(self.model, bank, self.ops, self.state_chunk_tokens, tuner=self.tuner)
+            passes = Passes(self.model, bank, self.ops, self.state_chunk_tokens, tuner=self.tuner)
             if not self._warm_done:
                 start = time.perf_counter()
-                self.warmed, self._warm_done = warm_up(runner, self.warm_classes), True
+                self.warmed, self._warm_done = warm_up(passes, self.warm_classes), True
                 log.info("autotune classes %s warmed in %.1f s", [c.value for c in self.warmed],
                          time.perf_counter() - start)
             if self.plan.max_graphs == 0:
-                return ServedPasses(runner)
-            graphed = GraphedPasses(runner, policy=CapturePolicy.WHEN_IDLE, max_graphs=self.plan.max_graphs,
-                                    stats=self.graph_stats)
-            keys = self.start_keys(graphed.buckets)
+                return passes
+            graphs = GraphCache(policy=CapturePolicy.WHEN_IDLE, max_graphs=self.plan.max_graphs,
+                                stats=self.graph_stats)
+            passes = passes.with_graphs(graphs)
+            keys = self.start_keys(graphs.buckets)
             if capture:
                 start = time.perf_counter()
-                graphed.capture(keys)
+                graphs.capture(passes, keys)
                 log.info("captured %d CUDA graphs in %.1f s: %s", len(keys), time.perf_counter() - start,
                          [str(k) for k in keys])
             else:
-                graphed.queue(keys)
+                graphs.queue(keys)
                 log.info("queued %d CUDA graphs for capture when idle", len(keys))
-            return ServedPasses(runner, graphed)
+            return passes
 
     def start_keys(self, buckets: Buckets) -> list[GraphKey]:
         """The plan's buckets for this role, as graph keys (each at most once, in plan order)."""
@@ -275,6 +304,4 @@ class PassBuilder:
 
 def _indexed(ops: Ops) -> bool:
     """Whether `ops` are the bank-indexed Triton ops that class tuning and CUDA graphs need."""
-    from kev.ops.triton_ops import TritonOps
-
     return isinstance(ops, TritonOps)

@@ -51,7 +51,7 @@ class PassKind(enum.Enum):
 
 @dataclass(frozen=True)
 class SweepKey:
-    """A bucket of one sweep over the weights (`Runner.state_and_row_pass`): new documents in a
+    """A bucket of one sweep over the weights (`Passes.sweep`): new documents in a
     STATE bucket's layout, then rows in a ROWS bucket's, packed back to back."""
 
     state: GraphKey

@@ -17,7 +17,7 @@ from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass
 from kev.ops.meta import PassMeta
 
 if TYPE_CHECKING:
-    from kev.exec.runner import Runner
+    from kev.exec.passes import Passes
 
 
 def warm_shapes(cls: ShapeClass, *, row_slot: int = -1, row_prefix: int = 0,
@@ -31,7 +31,7 @@ def warm_shapes(cls: ShapeClass, *, row_slot: int = -1, row_prefix: int = 0,
     return list(dict.fromkeys(ClassShape(s.seqs, s.tokens, min([s.prefix, *limits])) for s in CLASS_SHAPES[cls]))
 
 
-def _warm_pass(runner: "Runner", shape: ClassShape, row_slot: int, gen: torch.Generator) -> None:
+def _warm_pass(runner: "Passes", shape: ClassShape, row_slot: int, gen: torch.Generator) -> None:
     """One pass of `shape` through the real model and pools; writes nothing (write slots -1).
     A prefix reads `row_slot`'s document when given. Without one (a scorer may not write the
     bank, so it has no document of its own at start-up) the rows start from empty recurrent and
@@ -61,7 +61,7 @@ def _warm_pass(runner: "Runner", shape: ClassShape, row_slot: int, gen: torch.Ge
 
 
 @torch.no_grad()
-def warm_up(runner: "Runner", classes: Iterable[ShapeClass] = tuple(ShapeClass), *, row_slot: int = -1,
+def warm_up(runner: "Passes", classes: Iterable[ShapeClass] = tuple(ShapeClass), *, row_slot: int = -1,
             row_prefix: int = 0, seed: int = 0) -> list[ShapeClass]:
     """Autotune (and compile) every hot kernel for each class over its shapes (`warm_shapes`:
     `CLASS_SHAPES`, prefixes read from `row_slot` when given, a document already in the bank with

@@ -25,10 +25,10 @@ A serving tuner (`serving_tuner`) times each config by CUDA-graph replay (`graph
 passes are served, not by Triton's `do_bench`.
 
     tuner = serving_tuner()                  # ClassTuner(hot_autotuners(), bench=graph_bench)
-    runner = Runner(model, bank, TritonOps(), tuner=tuner)
+    runner = Passes(model, bank, TritonOps(), tuner=tuner)
     warm_up(runner, ShapeClass)              # start-up: tune every class over its shapes
     with tuner.use(classify(n_seqs, n_tokens)):
-        model(...)                           # what Runner does around each pass
+        model(...)                           # what Passes does around each pass
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kev.bank.bank import BankHandle
-from kev.exec.runner import RowBatch
+from kev.exec.batch import RowBatch
 from kev.request.prompts import PreparedRequest
 
 
