@@ -218,7 +218,7 @@ def test_writes_in_place_reach_the_owners_pages(bank):
             assert os.pread(fd, len(raw), offset) == raw
         finally:
             os.close(fd)
-        pid = bank.proc.pid
+        pid = bank.pid
         maps = [line.split() for line in open(f"/proc/{pid}/maps") if line.rstrip().endswith(path)]
         assert maps, "the bank process does not map its segment"
         start = int(maps[0][0].split("-")[0], 16) - int(maps[0][2], 16)  # mapping start - file offset

@@ -10,34 +10,28 @@
 The checkpoint directory is what KEV_CHECKPOINT points at: flat `config.json` + `model.safetensors`
 (kev.random_models weights, norms and dt_bias randomised), `head.safetensors` (kev.request.head.save_head),
 `tokenizer.json` (tests/tiny_tokenizer: word level over WORDS, Kev delimiters as special tokens)
-and `kev.json` naming the model TINY_MODEL_ID. `ServiceProcess` runs any service module (the scorer
-too) as a separate process with a log file, and waits on its gRPC health.
+and `kev.json` naming the model TINY_MODEL_ID. The processes are kev/serving/processes.py's (what
+the embedded stack runs): `start_bank` only picks free ports and test-sized flags, `BankProcess`
+adds a stub, the metrics scrape and the shared-memory files.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
 from bench.load import scrape
 from kev.request.head import DecisionHead, save_head
+from kev.serving.processes import ServiceProc, bank_proc, free_port
 from kev.v1 import bank_pb2_grpc
 from random_models import random_model, tiny_config
 from tiny_tokenizer import make_test_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_ID = "kev-tiny"
 WORDS = tuple(
     "the a an of to in on for with and or not is was be this that it as at by from customer ticket order "
@@ -79,82 +73,8 @@ def pack_tokens(ids) -> bytes:
     return torch.tensor(list(ids), dtype=torch.int32).numpy().astype("<i4").tobytes()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServiceProcess:
-    """`python -m <module> <args>` with `env` on top of this process's environment, logging to
-    `log_path`; `wait_serving` polls gRPC health of `health_service` on `addr`."""
-
-    def __init__(self, module: str, env: dict[str, str], addr: str, health_service: str, log_path: Path,
-                 args: tuple[str, ...] = ()):
-        self.module, self.addr, self.health_service, self.log_path = module, addr, health_service, Path(log_path)
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], env=full_env, cwd=REPO_ROOT,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(addr)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def health(self, service: str | None = None, timeout: float = 1.0) -> int:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        name = self.health_service if service is None else service
-        return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=timeout).status
-
-    def wait_serving(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                if self.health() == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.module} not SERVING after {timeout}s:\n{self.log_text()[-4000:]}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM and wait; returns the exit code (SIGKILL after `timeout`)."""
-        self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, no clean-up (its /dev/shm file stays; see `shm_files`)."""
-        self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-class BankProcess(ServiceProcess):
-    def __init__(self, *, checkpoint: Path, redis_url: str, log_path: Path, memory_bytes: int,
-                 lease_seconds: float, metrics: bool, args: tuple[str, ...], env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.metrics_port = free_port() if metrics else 0
-        base = {
-            "KEV_CHECKPOINT": str(checkpoint), "KEV_DEVICE": "cpu", "KEV_BANK_LISTEN": f"127.0.0.1:{self.port}",
-            "KEV_BANK_MEMORY_BYTES": str(memory_bytes), "KEV_REDIS_URL": redis_url,
-            "KEV_METRICS_PORT": str(self.metrics_port), "KEV_LEASE_SECONDS": str(lease_seconds),
-        }
-        super().__init__("bank_service", {**base, **(env or {})}, f"127.0.0.1:{self.port}", "kev.v1.Bank",
-                         log_path, args)
+class BankProcess(ServiceProc):
+    """A bank service process (kev/serving/processes.py) with the tests' helpers."""
 
     def stub(self) -> bank_pb2_grpc.BankStub:
         return bank_pb2_grpc.BankStub(self.channel)
@@ -164,7 +84,7 @@ class BankProcess(ServiceProcess):
 
     def shm_files(self) -> list[Path]:
         """The /dev/shm files this bank process created (named after its instance, which has its pid)."""
-        pattern = re.compile(rf"kev-bank-[0-9a-f]+-{self.proc.pid}-[0-9a-f]+")
+        pattern = re.compile(rf"kev-bank-[0-9a-f]+-{self.pid}-[0-9a-f]+")
         return [p for p in Path("/dev/shm").iterdir() if pattern.fullmatch(p.name)]
 
 
@@ -173,18 +93,23 @@ def start_bank(checkpoint: str | Path, redis_url: str, log_dir: str | Path, *, m
                avg_doc_tokens: int = 64, block_size: int = 64, max_wait_ms: float = 2,
                epoch_check_s: float = 0.2, node: str = "test-node", extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, wait: bool = True, timeout: float = 60) -> BankProcess:
-    """A bank service process on free ports, on CPU, one torch thread; returns once SERVING.
+    """A bank service process (kev.serving.processes.bank_proc) on free ports, on CPU, one torch
+    thread; returns once SERVING.
 
     Defaults suit tests: a 4 MiB bank of ~120 one-page slots (64-token pages, 64-token average
     documents), documents up to 512 tokens, a 0.2 s epoch check so a Redis restart is noticed fast.
     """
-    args = ("--node", node, "--max-document-tokens", str(max_document_tokens), "--avg-doc-tokens",
-            str(avg_doc_tokens), "--block-size", str(block_size), "--max-wait-ms", str(max_wait_ms),
-            "--epoch-check-s", str(epoch_check_s), "--torch-threads", "1", "--grpc-workers", "32", *extra_args)
+    flags = ("--node", node, "--max-document-tokens", str(max_document_tokens), "--avg-doc-tokens",
+             str(avg_doc_tokens), "--block-size", str(block_size), "--max-wait-ms", str(max_wait_ms),
+             "--epoch-check-s", str(epoch_check_s), "--grpc-workers", "32", *extra_args)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    bank = BankProcess(checkpoint=Path(checkpoint), redis_url=redis_url, log_path=log_dir / f"bank-{time.time_ns()}.log",
-                       memory_bytes=memory_bytes, lease_seconds=lease_seconds, metrics=metrics, args=args, env=env)
+    port, metrics_port = free_port(), free_port() if metrics else 0
+    bank = bank_proc(checkpoint, redis_url, f"127.0.0.1:{port}", log_dir / f"bank-{time.time_ns()}.log",
+                     memory_bytes=memory_bytes, lease_seconds=lease_seconds, metrics_port=metrics_port,
+                     flags=flags, env=env, cls=BankProcess)
+    bank.port, bank.metrics_port = port, metrics_port
+    bank.start()
     if wait:
         try:
             bank.wait_serving(timeout)
