@@ -5,7 +5,7 @@ a pinned document handle (bank_link.py) -> rows into the batcher -> wait (renewi
 watching the deadline and the client) -> answers. The pin is released on every way out:
 success, error, deadline, client cancellation.
 
-Status mapping:
+Status mapping (InvalidRequest here; the others are kev.serving.errors exceptions, each carrying its code):
     INVALID_ARGUMENT    kev.request.errors.InvalidRequest: the message starts with the field path, which is
                         also sent as trailing metadata `kev-field-bin` (UTF-8). Includes requests over
                         KEV_MAX_REQUEST_BYTES (the field holding the most bytes is named), invalid
