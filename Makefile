@@ -18,4 +18,4 @@ demo: install
 
 test: install
 	PYTHON=$(BIN)/python bash deploy/tools.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kev.api import QuestionType
-from kev.checkpoint import load_checkpoint
-from kev.config import LayerType
+from kev.request.api import QuestionType
+from kev.model.checkpoint import load_checkpoint
+from kev.model.config import LayerType
 from kev.demo.evaluate import DEFAULT_CHECKPOINT, HELD_OUT_SEED, evaluate, format_report
 from kev.demo.examples import EXAMPLES, answer_label, format_all
 from kev.demo.tasks import MAX_DOC_TOKENS, MIN_DOC_TOKENS, as_requests, build_tokenizer, generate, generate_documents
 from kev.demo.train import (
+    train,
     MODEL_ID,
     TrainConfig,
     demo_config,
@@ -32,8 +33,8 @@ from kev.demo.train import (
 )
 from kev.demo.train_ops import SweepTrainOps
 from kev.engine import Engine
-from kev.head import DecisionHead
-from kev.prompts import Delimiters, PromptBuilder, validate_and_build
+from kev.request.head import DecisionHead
+from kev.request.prompts import Delimiters, PromptBuilder, validate_and_build
 
 HELD_OUT_QUESTIONS = 600
 REPO = Path(__file__).resolve().parent.parent
@@ -143,7 +144,7 @@ def test_held_out_accuracy_through_the_row_path(engine):
 
 def test_held_out_accuracy_through_the_grpc_stack(engine):
     """The same held-out set through Redis + bank + scorer processes: the same answers bit for bit."""
-    from kev.client import KevClient
+    from kev.rpc.client import KevClient
     from kev.demo.evaluate import stack_scorer
     from kev.stack import Stack
 
@@ -181,7 +182,27 @@ def test_demo_main_prints_the_answers():
             assert f"{name}" in out and label in out
 
 
-@pytest.mark.slow  # ~13 min on 2 free cores (21 min while other jobs shared them); part of `make test`
+def test_training_smoke(tmp_path, capsys):
+    """The real training loop, 20 steps (CI keeps this; the full retraining is marked slow): the losses
+    fall from the first ten steps to the next ten, and the checkpoint it writes serves answers."""
+    torch.set_num_threads(2)
+    train(tmp_path / "model", TrainConfig(steps=20, docs_per_step=4), log_every=10)
+    windows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    first, second = ({k: float(w[w.index(k) + 1]) for k in ("loss", "evidence")} for w in windows)
+    assert second["loss"] < first["loss"] and second["evidence"] < first["evidence"], windows
+    request, _ = next(as_requests(generate(3, seed=5)))
+    (response,) = Engine.from_checkpoint(tmp_path / "model").score_many([request])
+    assert all(0 <= p <= 1 for a in response.answers.values() for p in _probabilities(a))
+
+
+def _probabilities(answer) -> list[float]:
+    if hasattr(answer, "p_yes"):
+        return [answer.p_yes]
+    probs = answer.probabilities
+    return list(probs.values()) if isinstance(probs, dict) else list(probs)
+
+
+@pytest.mark.slow  # ~13 min on 2 free cores (`pytest -m slow`; `make test` runs without it) 
 def test_retraining_reproduces_the_accuracy(tmp_path):
     """The real training script from scratch (CPU, 2 threads, fixed seed), then the serving path."""
     start = time.perf_counter()
