@@ -11,7 +11,7 @@ efficiency = floor / measured.
 One 61,440-token document: `Passes.state_pass` in chunks of 8,192 (the state rides in its slot),
 its time, and its peak GPU memory above the weights and the bank (max_memory_allocated after a
 reset, minus what was allocated before the pass) against `Passes.state_pass_peak_bytes` (the
-bound `tests/test_state_pass_gpu.py` enforces). The causal attention over the document is not in
+bound `tests/exec/test_state_pass_gpu.py` enforces). The causal attention over the document is not in
 the matmul floor: its FLOPs are reported beside it.
 
     python -m bench.state_pass --out bench/results/state_pass.json --profile-out runs/state_pass_profile.txt

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # test-support modules (tiny_checkpoints, redis_server, ...)
+sys.path.insert(0, os.path.dirname(__file__))  # shared test-support modules beside this file (tiny_checkpoints, ...)
 
 try:  # the GPU device has no redis client; everywhere else the fixture must load
     import redis  # noqa: F401
@@ -39,3 +39,11 @@ def poisoned(monkeypatch):
     from interpret_support import poison_empty
 
     poison_empty(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny random checkpoint (tests/tiny_stack.py) the end-to-end tests serve, one per module."""
+    from tiny_stack import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "kev-tiny")

@@ -6,8 +6,8 @@ import grpc
 
 from kev.rpc.client import KevClient
 from kev.bank.doc_key import AFFINITY_HEADER
-from test_scorer_service import (  # noqa: F401  (module-scoped checkpoint fixture and helpers)
-    checkpoint, directory, make_documents, make_requests, stack_for,
+from service_support import (  # noqa: F401
+    directory, make_documents, make_requests, stack_for,
 )
 
 

@@ -2,7 +2,7 @@
 
 Four documents a reader can check by eye (a JSON ticket, a plain-text ticket, a contract, a
 product review), each with questions of all three types. `expected` holds the answer a careful
-reader gives; `tests/test_demo_model.py` checks the demo model gives the same argmax answers.
+reader gives; `tests/demo/test_demo_model.py` checks the demo model gives the same argmax answers.
 The words all come from the demo vocabulary (`kev.demo.tasks.vocabulary`): the tiny model knows
 no others.
 """

@@ -13,7 +13,7 @@ graph* (never in the pools), then continues every row from its document's state:
 last W-1 inputs, the DeltaNet state, the attention keys and values. This is the per-layer
 "document, then its rows" sweep of docs/design.md section 4, with gradients. Rows read exactly what the
 bank would hold, so the outputs equal a state pass + row pass through `TorchOps`
-(tests/test_demo_model.py checks the picked hidden states).
+(tests/demo/test_demo_model.py checks the picked hidden states).
 
 The maths is the torch reference: `chunk_gated_delta_rule` of `kev.ops.delta_rule.chunk_torch`
 (autograd-friendly), the same depthwise conv + silu, softmax attention with fp32 scores, and the

@@ -25,7 +25,7 @@ Two layouts (`PassKind`):
 Real results are bit-identical between a graph replay and an eager run of the same bucket (same
 kernels, same shapes, same autotune class). Against an eager pass of the unpadded batch, the
 token-mixing kernels agree exactly; the GEMMs and norms see another row count M and may pick
-other cuBLAS / reduction kernels (measured on the GPU: tests/test_graphs_gpu.py).
+other cuBLAS / reduction kernels (measured on the GPU: tests/exec/test_graphs_gpu.py).
 """
 
 from __future__ import annotations

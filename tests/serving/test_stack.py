@@ -23,8 +23,8 @@ from kev.bank.doc_key import document_key
 from kev.stack import Stack, StackError
 from kev.v1 import scorer_pb2_grpc
 from kev.rpc.wire import request_to_proto
-from test_scorer_service import (  # noqa: F401  (shared helpers and the module-scoped checkpoint)
-    assert_same, bank_stats, checkpoint, directory, engine_answers, make_documents,
+from service_support import (  # noqa: F401
+    assert_same, bank_stats, directory, engine_answers, make_documents,
     make_engine, make_question, make_requests, score, stack_for, wait_for,
 )
 from tiny_stack import TINY_MODEL_ID

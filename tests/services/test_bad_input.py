@@ -18,8 +18,8 @@ import pytest
 
 from kev.v1 import scorer_pb2 as pb
 from scorer_service.config import TRANSPORT_LIMIT_FACTOR
-from test_scorer_service import (  # noqa: F401  (shared helpers and the module-scoped checkpoint)
-    PLAIN, bank_stats, checkpoint, directory, stack_for, wait_for,
+from service_support import (  # noqa: F401
+    PLAIN, bank_stats, directory, stack_for, wait_for,
 )
 
 MAX_REQUEST_BYTES = 64 << 10

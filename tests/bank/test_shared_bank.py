@@ -24,7 +24,7 @@ from kev.exec.passes import Passes
 from kev.v1 import bank_pb2 as pb
 from random_models import random_model, tiny_config
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 SEED = 3
 DOCS = {"short": 5, "paged": 70, "long": 200}  # tokens: inside one page, across pages, many pages
 ROWS = [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]

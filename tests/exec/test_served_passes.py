@@ -2,7 +2,7 @@
 CUDA-graph plan, the row worker's capture-when-idle decision, and the graph metrics.
 
 The CUDA side (warm-up, start-up capture, bitwise replays, no autotune after start-up) is in
-tests/test_served_passes_gpu.py.
+tests/exec/test_served_passes_gpu.py.
 """
 
 import threading

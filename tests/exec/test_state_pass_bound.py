@@ -1,5 +1,5 @@
 """The state pass's memory bound (`kev.exec.memory.state_pass_peak_bytes`): its arithmetic on CPU.
-The GPU test (`test_state_pass_gpu.py`) enforces it against a measured peak."""
+The GPU test (`exec/test_state_pass_gpu.py`) enforces it against a measured peak."""
 
 import torch
 

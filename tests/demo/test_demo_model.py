@@ -37,7 +37,7 @@ from kev.request.head import DecisionHead
 from kev.request.prompts import Delimiters, PromptBuilder, validate_and_build
 
 HELD_OUT_QUESTIONS = 600
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

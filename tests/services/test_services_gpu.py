@@ -33,7 +33,7 @@ def test_cuda_stack_answers_like_the_cuda_engine(tmp_path):
         pytest.skip("needs redis-server on PATH to run the stack (the GPU device has none)")
     pytest.importorskip("redis", reason="needs the redis client to run the stack")
     from kev.v1 import scorer_pb2_grpc
-    from test_scorer_service import MAX_DOC_TOKENS, make_documents, make_requests, score, stack_for
+    from service_support import MAX_DOC_TOKENS, make_documents, make_requests, score, stack_for
     from tiny_stack import make_tiny_checkpoint
 
     checkpoint = make_tiny_checkpoint(tmp_path / "kev-tiny")

@@ -23,7 +23,7 @@ import yaml
 
 from kev.bank.doc_key import AFFINITY_HEADER
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 OVERLAYS = ("dev", "h100", "h100-device-plugin")

@@ -4,7 +4,7 @@ The conv, delta-rule and attention kernels (TritonOps, with the static chunk lis
 give bit-identical outputs for the real tokens, and store bit-identical states, when a pass is
 padded into a bucket: rows padded at their end to L over two chunks (ROWS), and documents each
 followed by a padding sequence, with empty sequences and no-op chunks (STATE). The same check at
-the real head dims runs on the GPU (tests/test_graphs_gpu.py). Three cases: the interpreter is slow.
+the real head dims runs on the GPU (tests/exec/test_graphs_gpu.py). Three cases: the interpreter is slow.
 """
 
 import pytest

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.relative_to(ROOT) for pattern in ("*/*.sh", "*/*/*.sh") for p in ROOT.glob(pattern)
                  if not {".venv", ".git", "runs"} & set(p.relative_to(ROOT).parts))
 DEVICE = ("gpu_check.sh", "load_check.sh", "load_ab.sh", "triton_cache.sh", "device_carry.sh")

@@ -24,14 +24,14 @@ from kev.request.prompts import validate_and_build
 from kev.stack import Stack, free_port
 from kev.v1 import scorer_pb2 as pb
 from kev.rpc.wire import response_from_proto
-from test_scorer_service import engine_answers
+from service_support import engine_answers
 from tiny_checkpoints import hide_fla
 from tiny_stack import make_tiny_checkpoint
 
 try:  # `python -m pytest` from the repo root has it on sys.path; a bare `pytest` may not
     import bench  # noqa: F401
 except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench import load  # noqa: E402
 from bench.load_baseline import BaselineBatcher, BaselineScorer, BaselineService, build_server  # noqa: E402
