@@ -104,11 +104,11 @@ def test_served_row_pass_equals_runner_bitwise(served, no_autotune):
     out = passes.row_pass(batch)
     assert passes.graphs.stats.replays == replays + 1
     assert torch.isfinite(out.float()).all()
-    assert torch.equal(out, passes.row_pass(batch)), "served replay != Passes.row_pass"
+    assert torch.equal(out, passes.with_graphs(None).row_pass(batch)), "served replay != the eager row pass"
     padded = row_batch(served, 90, 64, 4, seed=2)  # bucket (96, 64, 512), padded
     out = passes.row_pass(padded)
     assert passes.graphs.stats.replays == replays + 2
-    assert rel_err(passes.row_pass(padded), out) <= 2e-2
+    assert rel_err(passes.with_graphs(None).row_pass(padded), out) <= 2e-2
 
 
 def test_nothing_autotunes_after_start_up(served, no_autotune):
