@@ -85,7 +85,7 @@ class Engine:
             for i, p, ans, hit in zip(where, prepared, per_request, cached):
                 doc = len(p.document_ids)
                 usage = Usage(input_tokens=p.input_tokens, cached_state_tokens=doc if hit else 0,
-                              document_tokens=doc, truncated=p.truncated)
+                              document_tokens=doc, truncated=p.truncated, unknown_tokens=p.unknown_tokens)
                 results[i] = ScoreResponse(answers=ans, usage=usage, model_ms=ms, model=self.loaded.model_id)
         return results
 

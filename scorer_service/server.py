@@ -122,7 +122,8 @@ class ScorerService:
                 log.info("retrying a request whose bank entry went stale: %s", e)
         doc = len(prepared.document_ids)
         usage = api.Usage(input_tokens=prepared.input_tokens, cached_state_tokens=doc if lease.cached else 0,
-                          document_tokens=doc, truncated=prepared.truncated)
+                          document_tokens=doc, truncated=prepared.truncated,
+                          unknown_tokens=prepared.unknown_tokens)
         model_ms = job.model_ms + (0.0 if lease.cached else lease.acquire_ms)
         return api.ScoreResponse(answers={r.name: job.answers[r.name] for r in prepared.rows}, usage=usage,
                                  model_ms=model_ms, model=self.loaded.model_id)

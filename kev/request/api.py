@@ -20,7 +20,12 @@ Answer semantics (computed by `kev.request.head.answer`):
 
 Usage: `document_tokens` counts the document's state tokens including the `<state>` delimiter
 (after truncation); `cached_state_tokens` is how many of those came from the bank instead of a
-state pass (0 or document_tokens); `input_tokens` = document_tokens + every row's tokens.
+state pass (0 or document_tokens); `input_tokens` = document_tokens + every row's tokens;
+`unknown_tokens` counts the document's and the rows' tokens that are the tokenizer's unknown token:
+text outside the model's vocabulary, which the model cannot read. Its answers stay probabilities
+over the options whatever it read, so a noticeable share (`Usage.unknown_share` >=
+`UNKNOWN_TOKENS_WARN_SHARE`, 10%) makes them meaningless however confident they look; the client
+and the CLI warn then (`unknown_tokens_warning`). The demo model knows only its 666-word vocabulary.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, TypeAlias
+
+# The share of unknown tokens (of input_tokens) from which the client and the CLI warn.
+UNKNOWN_TOKENS_WARN_SHARE = 0.10
 
 # A JSON value as the document field accepts it at the top level (scalars only nested inside).
 JsonDocument: TypeAlias = str | dict | list
@@ -69,17 +77,41 @@ class Question:
     def noul(
         cls, instructions: str, true_description: str | None = None, false_description: str | None = None
     ) -> "Question":
+        """A yes/no question; the descriptions say what "yes" and "no" mean (optional)."""
         return cls(QuestionType.NOUL, instructions, true_description, false_description)
 
     @classmethod
-    def choice(cls, instructions: str, options: Mapping[str, str | None] | Sequence[Choice]) -> "Question":
+    def choice(cls, instructions: str,
+               options: Mapping[str, str | None] | Sequence[str | tuple[str, str | None] | Choice]) -> "Question":
+        """A choice question: one of `options`, in this order. Each option is a name, a
+        (name, description) pair or a `Choice`; or pass a dict name -> description (None: no
+        description).
+
+            Question.choice("Which team?", ["billing", "tech"])
+            Question.choice("Which team?", [("billing", "money matters"), "tech"])
+            Question.choice("Which team?", {"billing": "money matters", "tech": None})
+        """
+        if isinstance(options, str):
+            raise TypeError("options must be a list of names (or (name, description) pairs), not one string")
         if isinstance(options, Mapping):
-            options = [Choice(name, desc) for name, desc in options.items()]
-        return cls(QuestionType.CHOICE, instructions, options=tuple(options))
+            items = [Choice(name, desc) for name, desc in options.items()]
+        else:
+            items = [_choice(o) for o in options]
+        return cls(QuestionType.CHOICE, instructions, options=tuple(items))
 
     @classmethod
     def score(cls, instructions: str, levels: Sequence[str]) -> "Question":
+        """A score question: level i (0-based) is described by `levels[i]`, lowest first."""
         return cls(QuestionType.SCORE, instructions, levels=tuple(levels))
+
+
+def _choice(option: str | tuple[str, str | None] | Choice) -> Choice:
+    """One option of `Question.choice` as a `Choice` (anything else is left for the validator)."""
+    if isinstance(option, Choice):
+        return option
+    if isinstance(option, tuple) and len(option) == 2:
+        return Choice(option[0], option[1])
+    return Choice(option)  # a name (a wrong type is rejected by the validator, naming the field)
 
 
 @dataclass(frozen=True)
@@ -128,10 +160,27 @@ def option_probabilities(answer: Answer) -> list[float]:
 
 @dataclass(frozen=True)
 class Usage:
-    input_tokens: int
-    cached_state_tokens: int
-    document_tokens: int
-    truncated: bool
+    """Token counts of one answered request (module docstring)."""
+
+    input_tokens: int  # document_tokens + every question row's tokens
+    cached_state_tokens: int  # document tokens whose state came from the bank (0 or document_tokens)
+    document_tokens: int  # the document's state tokens, <state> included, after any truncation
+    truncated: bool  # the document was cut to the model's limit
+    unknown_tokens: int = 0  # document and row tokens the tokenizer does not know (its unknown token)
+
+    @property
+    def unknown_share(self) -> float:
+        """unknown_tokens / input_tokens (0 when there are no tokens)."""
+        return self.unknown_tokens / self.input_tokens if self.input_tokens else 0.0
+
+
+def unknown_tokens_warning(usage: Usage, share: float = UNKNOWN_TOKENS_WARN_SHARE) -> str | None:
+    """The warning the client and the CLI give when `usage.unknown_share >= share`, else None."""
+    if usage.unknown_tokens == 0 or usage.unknown_share < share:
+        return None
+    return (f"{usage.unknown_tokens} of {usage.input_tokens} input tokens ({usage.unknown_share:.0%}) are unknown "
+            f"to the model's tokenizer: that much of the text is outside the model's vocabulary, so its answers "
+            f"are not meaningful, however confident they look")
 
 
 @dataclass(frozen=True)

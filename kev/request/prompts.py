@@ -241,6 +241,7 @@ class PreparedRequest:
     document_ids: tuple[int, ...]  # starts with <state>
     truncated: bool
     rows: tuple[QuestionRow, ...]  # in the request's question order
+    unknown_tokens: int = 0  # document and row tokens that are the tokenizer's unknown token (Usage.unknown_tokens)
 
     @property
     def input_tokens(self) -> int:
@@ -259,6 +260,17 @@ def _plain_text_tokenizer(tokenizer: Tokenizer, delimiters: Delimiters) -> Token
     return Tokenizer.from_str(json.dumps(spec))
 
 
+def _unknown_token_id(tokenizer: Tokenizer) -> int | None:
+    """The id of the tokenizer model's unknown token (WordLevel / WordPiece / BPE / Unigram), or None."""
+    model = json.loads(tokenizer.to_str()).get("model") or {}
+    unk = model.get("unk_token")
+    if isinstance(unk, str):
+        return tokenizer.token_to_id(unk)
+    if isinstance(model.get("unk_id"), int):  # Unigram
+        return model["unk_id"]
+    return None
+
+
 class PromptBuilder:
     """Turns documents and questions into token ids; safe against delimiter forging."""
 
@@ -268,6 +280,11 @@ class PromptBuilder:
         self.ids = delimiters.resolve(tokenizer)
         self._reserved = self.ids.all
         self._plain = _plain_text_tokenizer(tokenizer, delimiters)
+        self.unknown_id = _unknown_token_id(tokenizer)  # None: the tokenizer has no unknown token
+
+    def count_unknown(self, ids: Sequence[int]) -> int:
+        """How many of `ids` are the tokenizer's unknown token (text outside the vocabulary)."""
+        return 0 if self.unknown_id is None else sum(1 for i in ids if i == self.unknown_id)
 
     def encode_text(self, texts: Sequence[str], fields: Sequence[str]) -> list[list[int]]:
         """Ids of user texts (never a delimiter); `fields[i]` names texts[i] in errors."""
@@ -384,4 +401,5 @@ def validate_and_build(request: ScoreRequest, builder: PromptBuilder) -> Prepare
             raise InvalidRequest(question_field(str(name)), "question names must be non-empty strings")
         rows.append(QuestionRow(name, question, builder.row_tokens(question, name)))
     doc_ids, truncated = builder.document_tokens(request.document, request.truncate_document)
-    return PreparedRequest(tuple(doc_ids), truncated, tuple(rows))
+    unknown = builder.count_unknown(doc_ids) + sum(builder.count_unknown(r.prompt.ids) for r in rows)
+    return PreparedRequest(tuple(doc_ids), truncated, tuple(rows), unknown)

@@ -100,7 +100,8 @@ def response_to_proto(resp: api.ScoreResponse) -> pb.ScoreQuestionsResponse:
     u = resp.usage
     out = pb.ScoreQuestionsResponse(
         usage=pb.Usage(input_tokens=u.input_tokens, cached_state_tokens=u.cached_state_tokens,
-                       document_tokens=u.document_tokens, truncated=u.truncated),
+                       document_tokens=u.document_tokens, truncated=u.truncated,
+                       unknown_tokens=u.unknown_tokens),
         model_ms=resp.model_ms or 0.0, model=resp.model or "")
     for name, a in resp.answers.items():
         slot = out.answers[name]
@@ -133,7 +134,7 @@ def response_from_proto(msg: pb.ScoreQuestionsResponse, request: api.ScoreReques
             answers[name] = api.ScoreAnswer(a.score.score, tuple(a.score.legend), tuple(a.score.probabilities),
                                             a.score.confidence)
     u = msg.usage
-    usage = api.Usage(u.input_tokens, u.cached_state_tokens, u.document_tokens, u.truncated)
+    usage = api.Usage(u.input_tokens, u.cached_state_tokens, u.document_tokens, u.truncated, u.unknown_tokens)
     return api.ScoreResponse(answers, usage, msg.model_ms, msg.model or None)
 
 

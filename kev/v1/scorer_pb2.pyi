@@ -108,16 +108,18 @@ class ScoreAnswer(_message.Message):
     def __init__(self, score: _Optional[float] = ..., legend: _Optional[_Iterable[str]] = ..., probabilities: _Optional[_Iterable[float]] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("input_tokens", "cached_state_tokens", "document_tokens", "truncated")
+    __slots__ = ("input_tokens", "cached_state_tokens", "document_tokens", "truncated", "unknown_tokens")
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_STATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     input_tokens: int
     cached_state_tokens: int
     document_tokens: int
     truncated: bool
-    def __init__(self, input_tokens: _Optional[int] = ..., cached_state_tokens: _Optional[int] = ..., document_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    unknown_tokens: int
+    def __init__(self, input_tokens: _Optional[int] = ..., cached_state_tokens: _Optional[int] = ..., document_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., unknown_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreQuestionsResponse(_message.Message):
     __slots__ = ("answers", "usage", "model_ms", "model")

@@ -278,7 +278,7 @@ def bad_questions():
         ("256-options", Question.choice("team", many), '["q1"].options'),
         ("duplicate-name", Question.choice("team", [Choice("a"), Choice("b"), Choice("a")]), '["q1"].options[2].name'),
         ("blank-name", Question.choice("team", [Choice("a"), Choice(" ")]), '["q1"].options[1].name'),
-        ("not-a-choice", Question.choice("team", ["a"]), '["q1"].options[0]'),
+        ("not-a-choice", Question(choice, "team", options=["a"]), '["q1"].options[0]'),
         ("bad-description", Question.choice("team", [Choice("a", 3)]), '["q1"].options[0].description'),
         ("no-levels", Question.score("late", []), '["q1"].levels'),
         ("level-not-str", Question.score("late", ["a", None]), '["q1"].levels[1]'),
