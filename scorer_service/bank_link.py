@@ -177,8 +177,9 @@ class BankLink:
             request = bank_pb2.AcquireRequest(model=self.loaded.model_id,
                                               token_ids_le_i32=np.asarray(document_ids, dtype="<i4").tobytes(),
                                               lease_ms=round(self.config.lease_seconds * 1000))
-            resp = self._call(self.stub.Acquire, request,
-                              self.config.bank_timeout_s if timeout_s is None else timeout_s)
+            # Always a bounded deadline: never more than --bank-timeout-s (a huge value overflows gRPC's).
+            resp = self._call(self.stub.Acquire, request, self.config.bank_timeout_s if timeout_s is None
+                              else min(timeout_s, self.config.bank_timeout_s))
             lease = DocLease(BankHandle(resp.handle.slot, resp.handle.generation), resp.lease_id,
                              resp.document_length, resp.cached, att, 0.0)
         self._count_pin(+1)

@@ -40,7 +40,9 @@ class ScorerConfig:
     max_rows_per_pass: int = _env("KEV_MAX_ROWS_PER_PASS", 96)
     max_tokens_per_pass: int = _env("KEV_MAX_TOKENS_PER_PASS", 8192)
     max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
-    max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting for a row pass
+    max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
+    # A request without a deadline gets this budget (seconds), never an instant failure (issue 27).
+    default_deadline_s: float = _env("KEV_DEFAULT_DEADLINE_S", 60.0)
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
     lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
     # CUDA only (kev/exec/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
@@ -56,7 +58,7 @@ class ScorerConfig:
     # Flags only: knobs deployments rarely change.
     max_request_bytes: int = 16 << 20  # serialized ScoreQuestionsRequest; larger is INVALID_ARGUMENT
     grpc_threads: int = 256  # concurrent RPCs being handled (each waits on its rows)
-    bank_timeout_s: float = 30.0  # Acquire (a state pass) when the client set no deadline
+    bank_timeout_s: float = 30.0  # cap on one Acquire (a state pass), whatever the client's deadline
     max_document_tokens: int = Limits.max_document_tokens  # including <state>; at most the bank's
     max_row_tokens: int = Limits.max_row_tokens  # one question row, every delimiter included
     switch_interval_ms: float = 0.0  # the GIL's (kev/serving/interpreter.py); 0 = CPython's 5 ms
@@ -74,8 +76,8 @@ class ScorerConfig:
             raise ConfigError(f"KEV_MAX_WAIT_MS must be >= 0, got {self.max_wait_ms}")
         if self.switch_interval_ms < 0:
             raise ConfigError(f"--switch-interval-ms must be >= 0, got {self.switch_interval_ms}")
-        if self.lease_seconds <= 0 or self.bank_timeout_s <= 0:
-            raise ConfigError("KEV_LEASE_SECONDS and --bank-timeout-s must be > 0")
+        if self.lease_seconds <= 0 or self.bank_timeout_s <= 0 or self.default_deadline_s <= 0:
+            raise ConfigError("KEV_LEASE_SECONDS, KEV_DEFAULT_DEADLINE_S and --bank-timeout-s must be > 0")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"KEV_METRICS_PORT must be 0-65535, got {self.metrics_port}")
         self.graph_plan  # noqa: B018 - raises ConfigError on bad graph settings

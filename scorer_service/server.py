@@ -15,7 +15,8 @@ Status mapping (InvalidRequest here; the others are kev.serving.errors exception
                         for its --full-wait-ms (a new document waits that long for a pin to go)
     UNAVAILABLE         the bank or Redis cannot be reached, the scorer is draining, or the document's
                         entry went stale twice in a row (bank restarts); safe to retry
-    DEADLINE_EXCEEDED   the client's deadline passed first (rows still queued are dropped)
+    DEADLINE_EXCEEDED   the client's deadline (or, without one, KEV_DEFAULT_DEADLINE_S) passed first
+                        (rows still queued are dropped)
     CANCELLED           the client went away (nothing is sent; the pin is released)
     INTERNAL            anything else (logged with its traceback)
 """
@@ -43,6 +44,7 @@ from scorer_service.metrics import ScorerMetrics
 log = logging.getLogger(__name__)
 
 SERVICE = "kev.v1.Scorer"
+NO_DEADLINE_S = 1e8  # time_remaining() above this (~3 years) means the client set no deadline
 FIELD_METADATA = "kev-field-bin"
 
 
@@ -104,13 +106,14 @@ class ScorerService:
         if request.model not in (None, self.loaded.model_id):
             raise InvalidRequest("model", f"unknown model {request.model!r} (this scorer serves "
                                           f"{self.loaded.model_id!r}; see ListModels)")
+        deadline = time.monotonic() + self.budget_s(context)
         prepared = validate_and_build(request, self.loaded.builder)
         for attempt in (1, 2):
             try:
-                lease = self.link.acquire(prepared.document_ids, context.time_remaining())
+                lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic())
                 try:
                     job = self.batcher.submit(prepared, lease)
-                    self._wait(job, context)
+                    self._wait(job, context, deadline)
                 finally:
                     self.link.release(lease)
                 if job.error is not None:
@@ -128,22 +131,31 @@ class ScorerService:
         return api.ScoreResponse(answers={r.name: job.answers[r.name] for r in prepared.rows}, usage=usage,
                                  model_ms=model_ms, model=self.loaded.model_id)
 
-    def _wait(self, job: Job, context: grpc.ServicerContext) -> None:
+    def budget_s(self, context: grpc.ServicerContext) -> float:
+        """Seconds this request may take: the client's deadline, or KEV_DEFAULT_DEADLINE_S without one.
+        gRPC reports "no deadline" as None or as ~9.2e18 s (its infinite-future deadline), which must
+        never be passed on to another call (it overflows to an instant DEADLINE_EXCEEDED)."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > NO_DEADLINE_S:
+            return self.config.default_deadline_s
+        return remaining
+
+    def _wait(self, job: Job, context: grpc.ServicerContext, deadline: float) -> None:
         """Until the job is done, the deadline passes or the client leaves; renews the lease."""
         if not context.add_callback(job.cancel):  # cancellation (and RPC end) wakes the wait at once
             job.cancel()  # the RPC had already ended
         tick = self.config.lease_seconds / 3
         while True:
-            remaining = context.time_remaining()
-            timeout = tick if remaining is None else max(0.0, min(tick, remaining))
+            remaining = deadline - time.monotonic()
+            timeout = max(0.0, min(tick, remaining))
             if job.done.wait(timeout):
                 break
-            if remaining is not None and remaining <= timeout:
+            if remaining <= timeout:
                 job.cancel()
                 raise DeadlineExceeded("deadline exceeded while the request's rows were queued or running")
             self.link.renew_if_due(job.lease)
         if job.error is None and job.cancelled:
-            if context.time_remaining() is not None and context.time_remaining() <= 0:
+            if deadline - time.monotonic() <= 0:
                 raise DeadlineExceeded("deadline exceeded")
             raise Cancelled("the client cancelled the request")
 
