@@ -304,3 +304,66 @@ def lora_hooks(model: nn.Module, adapter_dir: str | Path) -> Iterator[int]:
     finally:
         for h in handles:
             h.remove()
+
+
+# ---- Kev training runs (what `kev convert` reads) ----
+
+RUN_WORDS = tuple(
+    "the a of to in is was not customer order refund late broken phone account login error billing team support "
+    "contract termination early notice days allow may must cancel fee angry calm urgent please help which should "
+    "level low medium high shipping address wrong item missing package".split()
+)
+HEAD_NAMING = {  # head.pt state-dict names per naming (w_q, w_k, b_q, b_k)
+    "w": ("w_q.weight", "w_k.weight", "w_q.bias", "w_k.bias"),
+    "proj": ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"),
+    "kev": ("w_q", "w_k", "b_q", "b_k"),
+}
+
+
+def make_run_head(hidden_size: int, head_dim: int = 16, naming: str = "proj", bias: bool = True, seed: int = 0,
+                  dtype: torch.dtype = torch.float32, temperature: float = 0.7, **fields) -> dict:
+    """A Kev run's head.pt dict (kev/model/convert.py documents it); `fields` override its keys."""
+    gen = torch.Generator().manual_seed(seed + 50)
+    names = HEAD_NAMING[naming]
+    state = {names[0]: 0.3 * torch.randn(head_dim, hidden_size, generator=gen),
+             names[1]: 0.3 * torch.randn(head_dim, hidden_size, generator=gen)}
+    if bias:
+        state |= {names[2]: 0.2 * torch.randn(head_dim, generator=gen), names[3]: 0.2 * torch.randn(head_dim, generator=gen)}
+    head = {"base": "Qwen/Qwen3.5-Tiny", "base_revision": "0123456789abcdef0123456789abcdef01234567", "lora": True,
+            "head_dim": head_dim, "weights_dtype": "bfloat16", "temperature": temperature,
+            "head": {k: v.to(dtype) for k, v in state.items()}}
+    head.update(fields)
+    return head
+
+
+def make_kev_run(directory: str | Path, base_ckpt: str | Path, *, adapter: bool = True, naming: str = "proj",
+                 bias: bool = True, seed: int = 0, shards: int = 1, **head_fields) -> Path:
+    """A Kev training run directory: a LoRA adapter of `base_ckpt` (adapter=True) or full weights
+    (the base's files, shards re-cut), `head.pt` (torch.save of `make_run_head`) and a tokenizer.json."""
+    from tiny_tokenizer import make_test_tokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    base_ckpt = Path(base_ckpt)
+    config = json.loads((base_ckpt / "config.json").read_text())
+    hidden = config.get("text_config", config)["hidden_size"]
+    if adapter:
+        make_lora_adapter(directory, base_ckpt, rank=4, alpha=8, seed=seed + 7)
+    else:
+        (directory / "config.json").write_text(json.dumps(config))
+        tensors = {}
+        for file in sorted(set(_stored_files(base_ckpt))):
+            with safe_open(base_ckpt / file, framework="pt") as f:
+                tensors |= {k: f.get_tensor(k) for k in f.keys()}
+        _save_tensors(directory, tensors, shards)
+    head = make_run_head(hidden, naming=naming, bias=bias, seed=seed, **({"lora": adapter} | head_fields))
+    torch.save(head, directory / "head.pt")
+    make_test_tokenizer(RUN_WORDS).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _stored_files(checkpoint: Path) -> list[str]:
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]

@@ -8,7 +8,10 @@ Checkpoint directory (what `KEV_CHECKPOINT` points at):
     model-0000i-of-0000n.safetensors + model.safetensors.index.json   sharded (index `weight_map`)
     head.safetensors                the decision head (read by kev.request.head.load_head; optional here)
     tokenizer.json                  the tokenizers-library tokenizer (optional here)
-    kev.json                        optional: {"model_id": "...", "delimiters": {role: token text}}
+    kev.json                        optional: {"model_id": "...", "delimiters": {role: token text},
+                                    "base": "...", "base_revision": "...", "weights_dtype": "..."}
+                                    (the last three: provenance written by `kev convert`, not used)
+    adapter_config.json + adapter_model.safetensors   optional: a PEFT LoRA merged at load
 
 Tensor names: flat saves use `model.*`, nested saves `model.language_model.*`; both map to the
 backbone's names (`embed_tokens.weight`, `layers.{i}...`, see `expected_shapes`). `model.visual.*`,
@@ -16,11 +19,19 @@ backbone's names (`embed_tokens.weight`, `layers.{i}...`, see `expected_shapes`)
 nor the LM head. Anything else that does not map to an expected name is an error, as is a missing
 tensor or a wrong shape. Tensors only come from safetensors: nothing is ever unpickled.
 
-An optional LoRA adapter directory (PEFT layout: `adapter_config.json` + `adapter_model.safetensors`,
-see kev.model.lora) is merged at load. The base is read in fp32, merged in fp32 and rounded once to the
-serving dtype. A Kev release of that kind ships its head, tokenizer and kev.json beside the
-adapter, so those files are looked up in the adapter directory first, then in the checkpoint
-directory; the default model id is the name of the directory they describe (adapter, else checkpoint).
+A LoRA adapter (PEFT layout: `adapter_config.json` + `adapter_model.safetensors`, see
+kev.model.lora) is merged at load, whether it sits inside the checkpoint directory (what `kev convert`
+writes) or in a separate adapter directory (`KEV_ADAPTER`); never both, and an adapter file in the
+checkpoint directory is never ignored (`resolve_adapter`). The base is read in fp32, merged in fp32 and
+rounded once to the serving dtype. A Kev release of the separate kind ships its head, tokenizer and
+kev.json beside the adapter, so those files are looked up in the adapter directory first, then in the
+checkpoint directory.
+
+Model id (`resolve_model_id`, the one rule every process applies): kev.json's `model_id` must pass
+`check_model_id` (1-128 characters of `A-Z a-z 0-9 . _ / + -`, starting with a letter or digit:
+the bank's directory keys use `{`, `}`, `@` and `:` as separators, and the id travels in an HTTP/2
+header); without one, the id is the name of the directory the side files describe (adapter, else
+checkpoint) passed through `sanitise_model_id`. Both happen before any weight is read.
 """
 
 from __future__ import annotations
@@ -29,22 +40,32 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import logging
+import re
+
 import torch
 from safetensors import safe_open
 
 from kev.model.config import CheckpointError, ModelConfig
-from kev.model.lora import merge_lora
+from kev.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merge_lora
 from kev.model.weight_names import FLAT_PREFIX, IGNORED_PREFIXES, NESTED_PREFIX, PathLike, expected_shapes, read_json
 
 __all__ = [
     "Checkpoint",
     "CheckpointMeta",
     "DELIMITER_ROLES",
+    "check_model_id",
     "expected_shapes",
+    "find_side_files",
     "load_checkpoint",
     "read_config",
     "read_weights",
+    "resolve_adapter",
+    "resolve_model_id",
+    "sanitise_model_id",
 ]
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -52,6 +73,13 @@ INDEX_FILE = "model.safetensors.index.json"
 HEAD_FILE = "head.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "kev.json"
+RUN_HEAD_FILE = "head.pt"  # a Kev training run's head: only `kev convert` reads it
+
+# What a model id may hold (module docstring). `{`, `}` and `@` would break the bank directory's
+# hash tag `kev:{<model_id>@<node>}:`, `:` separates the id from the digest in a document key,
+# and the id is sent as the affinity header's value.
+MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/+-]{0,127}")
+_MODEL_ID_BAD_RUN = re.compile(r"[^A-Za-z0-9._/+-]+")
 
 # Prompt delimiters a kev.json may override (DESIGN §1 gives the defaults).
 DELIMITER_ROLES = ("state", "q", "opt", "opt_end", "decide")
@@ -168,11 +196,35 @@ def read_weights(
     return {n: weights[n] for n in shapes}
 
 
+def check_model_id(model_id: object, source: str = "model_id") -> str:
+    """`model_id` if it is a usable id (module docstring), else a CheckpointError naming `source`."""
+    if not isinstance(model_id, str) or not MODEL_ID_PATTERN.fullmatch(model_id):
+        raise CheckpointError(
+            f"{source}: model id {model_id!r} is not usable: it needs 1-128 characters of A-Z a-z 0-9 . _ / + -, "
+            "starting with a letter or digit (the bank's keys use '{', '}', '@' and ':' as separators)"
+        )
+    return model_id
+
+
+def sanitise_model_id(name: str, source: str = "model_id") -> str:
+    """A usable id made from a name (a directory's): every run of other characters becomes '-'."""
+    cleaned = _MODEL_ID_BAD_RUN.sub("-", name).strip("-._/+")[:128].rstrip("-._/+")
+    if not cleaned:
+        raise CheckpointError(f"{source}: no usable model id can be made from {name!r}; set 'model_id' in kev.json")
+    if cleaned != name:
+        log.warning("%s: model id %r sanitised to %r (kev.json's 'model_id' sets it explicitly)", source, name, cleaned)
+    return check_model_id(cleaned, source)
+
+
 @dataclass(frozen=True)
 class CheckpointMeta:
     model_id: str
     # Only the roles kev.json overrides (DELIMITER_ROLES -> token text); defaults live with the prompts.
     delimiters: Mapping[str, str] = field(default_factory=dict)
+    # Provenance `kev convert` records; informational.
+    base: str | None = None
+    base_revision: str | None = None
+    weights_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,15 +236,25 @@ class Checkpoint:
     meta: CheckpointMeta
 
 
-def _read_meta(path: Path | None, default_id: str) -> CheckpointMeta:
+_META_FIELDS = ("model_id", "delimiters", "base", "base_revision", "weights_dtype")
+
+
+def _read_meta(path: Path | None, default_dir: Path) -> CheckpointMeta:
     if path is None:
-        return CheckpointMeta(model_id=default_id)
+        return CheckpointMeta(model_id=sanitise_model_id(default_dir.resolve().name, str(default_dir)))
     raw = read_json(path)
-    if unknown := sorted(set(raw) - {"model_id", "delimiters"}):
-        raise CheckpointError(f"{path}: unknown field {unknown[0]!r} (known: model_id, delimiters)")
-    model_id = raw.get("model_id", default_id)
-    if not isinstance(model_id, str) or not model_id:
-        raise CheckpointError(f"{path}: 'model_id' must be a non-empty string")
+    if unknown := sorted(set(raw) - set(_META_FIELDS)):
+        raise CheckpointError(f"{path}: unknown field {unknown[0]!r} (known: {', '.join(_META_FIELDS)})")
+    if "model_id" in raw:
+        model_id = check_model_id(raw["model_id"], f"{path}: 'model_id'")
+    else:
+        model_id = sanitise_model_id(default_dir.resolve().name, str(default_dir))
+    provenance = {}
+    for key in ("base", "base_revision", "weights_dtype"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{path}: {key!r} must be a string or null, got {value!r}")
+        provenance[key] = value
     delimiters = raw.get("delimiters", {})
     if not isinstance(delimiters, dict):
         raise CheckpointError(f"{path}: 'delimiters' must be an object of role -> token text")
@@ -201,7 +263,7 @@ def _read_meta(path: Path | None, default_id: str) -> CheckpointMeta:
             raise CheckpointError(f"{path}: unknown delimiter role {role!r} (known: {', '.join(DELIMITER_ROLES)})")
         if not isinstance(token, str) or not token:
             raise CheckpointError(f"{path}: delimiter {role!r} must be a non-empty string")
-    return CheckpointMeta(model_id=model_id, delimiters=dict(delimiters))
+    return CheckpointMeta(model_id=model_id, delimiters=dict(delimiters), **provenance)
 
 
 @dataclass(frozen=True)
@@ -211,22 +273,67 @@ class SideFiles:
     meta: CheckpointMeta
 
 
+def resolve_adapter(checkpoint_dir: PathLike, adapter_dir: PathLike | None = None) -> Path | None:
+    """The adapter to merge: `adapter_dir`, or the checkpoint directory itself when it holds one.
+
+    An adapter file in the checkpoint directory is never ignored: with a second adapter given, or
+    with adapter weights but no adapter_config.json, this refuses. A directory that holds an adapter
+    but no base (a Kev run) gets a message saying how to serve it.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    adapter = Path(adapter_dir) if adapter_dir is not None else None
+    has_config = (checkpoint_dir / ADAPTER_CONFIG).is_file()
+    if not has_config and (checkpoint_dir / ADAPTER_WEIGHTS).is_file():
+        raise CheckpointError(
+            f"{checkpoint_dir / ADAPTER_WEIGHTS}: adapter weights without {ADAPTER_CONFIG}; "
+            "add the adapter's config or remove the file (it is never ignored)"
+        )
+    if has_config and not (checkpoint_dir / CONFIG_FILE).is_file():
+        raise CheckpointError(
+            f"{checkpoint_dir}: holds a LoRA adapter but no base model ({CONFIG_FILE}); serve the base as the "
+            f"checkpoint with this directory as the adapter (KEV_ADAPTER), or run `kev convert {checkpoint_dir} OUT "
+            "--base BASE_DIR`"
+        )
+    if not has_config:
+        return adapter
+    if adapter is not None and adapter.resolve() != checkpoint_dir.resolve():
+        raise CheckpointError(
+            f"{checkpoint_dir / ADAPTER_CONFIG}: the checkpoint directory holds an adapter and another one was "
+            f"given ({adapter}); only one adapter is merged, remove one of them"
+        )
+    return checkpoint_dir
+
+
 def find_side_files(checkpoint_dir: PathLike, adapter_dir: PathLike | None = None, *,
                     require_head: bool = False, require_tokenizer: bool = False) -> SideFiles:
-    """Head, tokenizer and kev.json: looked for beside the adapter first, then the checkpoint."""
-    search = [Path(d) for d in (adapter_dir, checkpoint_dir) if d is not None]
+    """Head, tokenizer and kev.json: looked for beside the adapter first, then the checkpoint.
+
+    Reads no weights; the model id it returns (`meta.model_id`) is what every process derives for
+    this checkpoint + adapter (`resolve_model_id`)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    adapter = resolve_adapter(checkpoint_dir, adapter_dir)
+    search = list(dict.fromkeys(d for d in (adapter, checkpoint_dir) if d is not None))
 
     def find(file: str, required: bool, what: str) -> Path | None:
         for d in search:
             if (d / file).is_file():
                 return d / file
         if required:
-            raise CheckpointError(f"{' or '.join(str(d / file) for d in search)}: {what} not found")
+            hint = ""
+            if file == HEAD_FILE and any((d / RUN_HEAD_FILE).is_file() for d in search):
+                hint = f" (found {RUN_HEAD_FILE}, a Kev run's head: `kev convert` makes a checkpoint of the run)"
+            raise CheckpointError(f"{' or '.join(str(d / file) for d in search)}: {what} not found{hint}")
         return None
 
     return SideFiles(head_path=find(HEAD_FILE, require_head, "decision head"),
                      tokenizer_path=find(TOKENIZER_FILE, require_tokenizer, "tokenizer"),
-                     meta=_read_meta(find(META_FILE, False, "kev.json"), default_id=search[0].resolve().name))
+                     meta=_read_meta(find(META_FILE, False, "kev.json"), default_dir=search[0]))
+
+
+def resolve_model_id(checkpoint_dir: PathLike, adapter_dir: PathLike | None = None) -> str:
+    """The model id of a checkpoint (+ adapter), checked, before any weight is read: the one rule the
+    loader, the client and the services share (module docstring). CheckpointError if unusable."""
+    return find_side_files(checkpoint_dir, adapter_dir).meta.model_id
 
 
 def load_checkpoint(
@@ -237,13 +344,14 @@ def load_checkpoint(
     require_head: bool = False,
     require_tokenizer: bool = False,
 ) -> Checkpoint:
-    """Config, checked weights (LoRA merged if `adapter_dir`), and where the head/tokenizer are.
+    """Config, checked weights (LoRA merged: `adapter_dir`, or one inside the checkpoint directory),
+    and where the head/tokenizer are.
 
     fp32 on CPU and bf16 on GPU are the caller's choice through `dtype`.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    adapter = Path(adapter_dir) if adapter_dir is not None else None
-    # Side files first: a missing head should fail before gigabytes of weights are read.
+    # Adapter, side files and model id first: a bad one should fail before gigabytes of weights are read.
+    adapter = resolve_adapter(checkpoint_dir, adapter_dir)
     config = read_config(checkpoint_dir)
     side = find_side_files(checkpoint_dir, adapter, require_head=require_head, require_tokenizer=require_tokenizer)
     head_path, tokenizer_path, meta = side.head_path, side.tokenizer_path, side.meta
@@ -251,7 +359,7 @@ def load_checkpoint(
     if adapter is None:
         weights = read_weights(checkpoint_dir, config, dtype=dtype, device=device)
     else:
-
+        log.info("merging LoRA adapter %s into %s", adapter, checkpoint_dir)
         # fp32 until the merge is done, then one rounding per tensor (DESIGN §1).
         merged = merge_lora(read_weights(checkpoint_dir, config), adapter, config)
         weights = {}

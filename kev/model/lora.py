@@ -12,11 +12,19 @@ backbone), so all three are accepted whatever the base checkpoint's own nesting.
 
 W' = W + scale * B @ A with scale = alpha / r (alpha / sqrt(r) with use_rslora), in fp32. The
 caller rounds W' to the serving dtype once. PEFT features that change that formula (DoRA, LoRA
-biases, per-module rank/alpha patterns, fully trained `modules_to_save`) are refused, not ignored.
+biases, per-module rank/alpha patterns, fully trained `modules_to_save` of the backbone) are
+refused, not ignored.
+
+What serving never runs is dropped, each with a log line (logger `kev.model.lora`): a LoRA on the
+LM head (`lm_head` in target_modules), a fully trained LM head (`modules_to_save: ["lm_head"]`; PEFT
+stores it as `base_model.model.lm_head.weight`), and LoRAs on the vision tower (target names
+`qkv`, `proj`, `linear_fc1`, `linear_fc2` or any `visual.` path; tensors under `model.visual.`).
+Any other module_to_save (an embedding, a classifier) is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +49,12 @@ SUPPORTED_TARGETS = frozenset(
 )  # fmt: skip
 # Allowed as a target but dropped: serving has no LM head.
 IGNORED_TARGETS = frozenset({"lm_head"})
+# The vision tower's linear layers (Qwen3.5's `model.visual.*`): allowed as targets, dropped.
+VISION_TARGETS = frozenset({"qkv", "proj", "linear_fc1", "linear_fc2"})
+# modules_to_save entries serving drops (it has no LM head); any other is refused.
+IGNORED_MODULES_TO_SAVE = frozenset({"lm_head"})
+
+log = logging.getLogger(__name__)
 
 # adapter_config.json fields whose non-default value would change the merged weight.
 _UNSUPPORTED = {
@@ -50,7 +64,6 @@ _UNSUPPORTED = {
     "fan_in_fan_out": (False, None),
     "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
-    "modules_to_save": (None, []),
     "layer_replication": (None,),
 }
 
@@ -72,6 +85,16 @@ def read_adapter_config(adapter_dir: PathLike) -> LoraSpec:
     for key, defaults in _UNSUPPORTED.items():
         if raw.get(key, defaults[0]) not in defaults:
             raise CheckpointError(f"{path}: {key}={raw[key]!r} is not supported; merge it offline or drop it")
+    to_save = raw.get("modules_to_save") or []
+    if not isinstance(to_save, list) or not all(isinstance(m, str) for m in to_save):
+        raise CheckpointError(f"{path}: 'modules_to_save' must be a list of module names, got {to_save!r}")
+    if refused := sorted(m for m in to_save if m.rsplit(".", 1)[-1] not in IGNORED_MODULES_TO_SAVE):
+        raise CheckpointError(
+            f"{path}: modules_to_save={refused!r} is not supported (a fully trained backbone module would have to be "
+            "loaded from the adapter); merge it into the base offline. Only 'lm_head' is accepted (and ignored)"
+        )
+    if to_save:
+        log.info("%s: modules_to_save %s ignored: serving has no LM head", path, to_save)
     rank, alpha = raw.get("r"), raw.get("lora_alpha")
     if not isinstance(rank, int) or rank <= 0:
         raise CheckpointError(f"{path}: 'r' must be a positive integer, got {rank!r}")
@@ -82,7 +105,12 @@ def read_adapter_config(adapter_dir: PathLike) -> LoraSpec:
     targets = raw.get("target_modules")
     if isinstance(targets, list):
         # PEFT matches list entries as name suffixes, so the last component decides.
-        names = frozenset(str(t).rsplit(".", 1)[-1] for t in targets)
+        vision = sorted(str(t) for t in targets if _is_vision_target(str(t)))
+        if vision:
+            log.info("%s: vision-tower targets %s ignored: serving runs no vision tower", path, vision)
+        if ignored := sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] in IGNORED_TARGETS):
+            log.info("%s: targets %s ignored: serving has no LM head", path, ignored)
+        names = frozenset(str(t).rsplit(".", 1)[-1] for t in targets if not _is_vision_target(str(t)))
         if unknown := sorted(names - SUPPORTED_TARGETS - IGNORED_TARGETS):
             raise CheckpointError(
                 f"{path}: unknown target module {unknown[0]!r} (supported: {', '.join(sorted(SUPPORTED_TARGETS))})"
@@ -91,6 +119,10 @@ def read_adapter_config(adapter_dir: PathLike) -> LoraSpec:
     elif not isinstance(targets, str):
         raise CheckpointError(f"{path}: 'target_modules' must be a list of names or a regex string")
     return LoraSpec(rank=rank, alpha=float(alpha), scale=scale, targets=targets)
+
+
+def _is_vision_target(target: str) -> bool:
+    return target.rsplit(".", 1)[-1] in VISION_TARGETS or target.startswith(("visual.", "model.visual."))
 
 
 def _module_name(stored: str) -> str | None:
@@ -112,19 +144,28 @@ def read_adapter_tensors(adapter_dir: PathLike) -> dict[str, tuple[torch.Tensor,
         hint = f" (found {found}: pickled adapters are never loaded)" if found else ""
         raise CheckpointError(f"{path}: adapter weights not found{hint}")
     halves: dict[str, dict[str, torch.Tensor]] = {}
+    dropped: list[str] = []
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             for stored in sorted(f.keys()):
                 module, dot, half = stored.rpartition(".lora_")
+                if not dot and _module_name(stored.rpartition(".")[0]) is None:
+                    dropped.append(stored)  # e.g. a modules_to_save lm_head.weight
+                    continue
                 if not dot or half not in ("A.weight", "B.weight"):
                     raise CheckpointError(f"{path}: unexpected tensor {stored!r} (only lora_A/lora_B weights)")
                 name = _module_name(module)
-                if name is not None:
+                if name is None:
+                    dropped.append(stored)
+                else:
                     halves.setdefault(name, {})[half[0]] = f.get_tensor(stored).float()
     except CheckpointError:
         raise
     except Exception as e:  # safetensors' own errors for a bad header
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if dropped:
+        log.info("%s: %d tensors of parts serving never runs ignored (LM head, vision tower, MTP): %s%s", path,
+                 len(dropped), ", ".join(dropped[:3]), ", ..." if len(dropped) > 3 else "")
     pairs = {}
     for name, ab in halves.items():
         if set(ab) != {"A", "B"}:
