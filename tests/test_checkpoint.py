@@ -394,3 +394,138 @@ def test_rslora_scale_reads_alpha_over_sqrt_r(flat, tmp_path):
 
     adapter = make_lora_adapter(tmp_path / "lora", flat[0], rank=4, alpha=8, use_rslora=True)
     assert read_adapter_config(adapter).scale == 8 / math.sqrt(4)
+
+
+# ---- an adapter inside the checkpoint directory (what `kev convert` writes) ----
+
+
+def _adapter_inside(base: Path, directory: Path, seed: int = 4) -> Path:
+    ckpt = Path(shutil.copytree(base, directory))
+    make_lora_adapter(ckpt, base, seed=seed)
+    return ckpt
+
+
+def test_adapter_in_the_checkpoint_directory_is_merged(flat, tmp_path):
+    ckpt = _adapter_inside(flat[0], tmp_path / "kev-run")
+    separate = make_lora_adapter(tmp_path / "lora", flat[0], seed=4)
+    got, want = load_checkpoint(ckpt).weights, load_checkpoint(flat[0], separate).weights
+    base = load_checkpoint(flat[0]).weights
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(got["layers.0.mlp.up_proj.weight"], base["layers.0.mlp.up_proj.weight"])
+    assert load_checkpoint(ckpt, ckpt).meta.model_id == "kev-run"  # naming itself as the adapter is the same thing
+
+
+def test_a_second_adapter_or_a_stray_adapter_file_is_refused(flat, tmp_path):
+    ckpt = _adapter_inside(flat[0], tmp_path / "kev-run")
+    other = make_lora_adapter(tmp_path / "lora", flat[0], seed=5)
+    with pytest.raises(CheckpointError, match="holds an adapter and another one was given"):
+        load_checkpoint(ckpt, other)
+    (ckpt / "adapter_config.json").unlink()
+    with pytest.raises(CheckpointError, match="adapter weights without adapter_config.json"):
+        load_checkpoint(ckpt)
+
+
+def test_a_run_directory_without_base_says_how_to_serve_it(flat, tmp_path):
+    run = make_lora_adapter(tmp_path / "run", flat[0])
+    with pytest.raises(CheckpointError, match="no base model") as err:
+        load_checkpoint(run)
+    assert "kev convert" in str(err.value) and "KEV_ADAPTER" in str(err.value)
+
+
+def test_head_pt_without_head_safetensors_points_to_convert(flat_copy):
+    (flat_copy / "head.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="kev convert"):
+        load_checkpoint(flat_copy, require_head=True)
+
+
+# ---- model ids: one rule, checked before any weight is read ----
+
+
+def _weights_never_read(monkeypatch):
+    import kev.model.checkpoint as checkpoint
+
+    def boom(*a, **k):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(checkpoint, "read_weights", boom)
+
+
+@pytest.mark.parametrize("bad", ["kev@node", "{kev}", "a:b", "has space", "-lead", "x" * 129, "é", 7, None])
+def test_bad_model_id_in_kev_json_is_refused_before_weights(flat_copy, monkeypatch, bad):
+    (flat_copy / "kev.json").write_text(json.dumps({"model_id": bad}))
+    _weights_never_read(monkeypatch)
+    with pytest.raises(CheckpointError, match="kev.json: 'model_id': model id") as err:
+        load_checkpoint(flat_copy)
+    assert "'{', '}', '@' and ':'" in str(err.value)
+
+
+@pytest.mark.parametrize("name,want", [("run@v2{x}", "run-v2-x"), ("Qwen3.5 4B kev", "Qwen3.5-4B-kev"),
+                                       ("@lead", "lead"), ("ok_name-1.0", "ok_name-1.0")])
+def test_directory_name_is_sanitised(flat, tmp_path, caplog, name, want):
+    from kev.model.checkpoint import resolve_model_id
+
+    ckpt = Path(shutil.copytree(flat[0], tmp_path / name))
+    with caplog.at_level("WARNING", logger="kev.model.checkpoint"):
+        assert resolve_model_id(ckpt) == want == load_checkpoint(ckpt).meta.model_id
+    assert (f"sanitised to {want!r}" in caplog.text) == (name != want)
+
+
+def test_unusable_directory_name_is_refused_before_weights(flat, tmp_path, monkeypatch):
+    ckpt = Path(shutil.copytree(flat[0], tmp_path / "@{}"))
+    _weights_never_read(monkeypatch)
+    with pytest.raises(CheckpointError, match="no usable model id"):
+        load_checkpoint(ckpt)
+    (ckpt / "kev.json").write_text(json.dumps({"model_id": "fine"}))
+    monkeypatch.undo()
+    assert load_checkpoint(ckpt).meta.model_id == "fine"
+
+
+def test_check_model_id():
+    from kev.model.checkpoint import check_model_id
+
+    assert check_model_id("Qwen/Qwen3.5-4B+kev_1.0") == "Qwen/Qwen3.5-4B+kev_1.0"
+    with pytest.raises(CheckpointError, match="KEV_MODEL: model id 'a@b'"):
+        check_model_id("a@b", "KEV_MODEL")
+
+
+# ---- PEFT parts serving never runs: ignored, with a log line ----
+
+
+def test_modules_to_save_lm_head_is_ignored_with_a_log_line(flat, tmp_path, caplog):
+    adapter = make_lora_adapter(tmp_path / "lora", flat[0])
+    plain = load_checkpoint(flat[0], adapter).weights
+    _edit_json(adapter / "adapter_config.json", lambda r: r.update(modules_to_save=["lm_head"]))
+    # PEFT saves a modules_to_save copy under the module's own name.
+    _edit_tensors(adapter / "adapter_model.safetensors",
+                  lambda t: t.update({"base_model.model.lm_head.weight": torch.ones(300, 64)}))
+    with caplog.at_level("INFO", logger="kev.model.lora"):
+        got = load_checkpoint(flat[0], adapter).weights
+    assert all(torch.equal(got[k], plain[k]) for k in plain)
+    assert "modules_to_save ['lm_head'] ignored" in caplog.text
+    assert "base_model.model.lm_head.weight" in caplog.text
+
+
+@pytest.mark.parametrize("saved", [["embed_tokens"], ["lm_head", "score"]])
+def test_other_modules_to_save_are_refused(flat, tmp_path, saved):
+    adapter = make_lora_adapter(tmp_path / "lora", flat[0])
+    _edit_json(adapter / "adapter_config.json", lambda r: r.update(modules_to_save=saved))
+    with pytest.raises(CheckpointError, match="modules_to_save") as err:
+        load_checkpoint(flat[0], adapter)
+    assert "adapter_config.json" in str(err.value) and repr(saved[-1]) in str(err.value)
+
+
+def test_vision_targets_are_ignored_with_a_log_line(tmp_path, caplog):
+    path, _ = make_hf_checkpoint(tmp_path / "base", nested=True)
+    adapter = make_lora_adapter(tmp_path / "lora", path)
+    plain = load_checkpoint(path, adapter).weights
+    vision = ["qkv", "proj", "linear_fc1", "linear_fc2", "model.visual.merger.linear_fc2"]
+    _edit_json(adapter / "adapter_config.json", lambda r: r["target_modules"].extend(vision))
+    _edit_tensors(adapter / "adapter_model.safetensors", lambda t: t.update({
+        "base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": torch.ones(4, 32),
+        "base_model.model.model.visual.blocks.0.attn.qkv.lora_B.weight": torch.ones(96, 4),
+    }))
+    with caplog.at_level("INFO", logger="kev.model.lora"):
+        got = load_checkpoint(path, adapter).weights
+    assert all(torch.equal(got[k], plain[k]) for k in plain)
+    assert "vision-tower targets" in caplog.text and "'qkv'" in caplog.text
+    assert "model.visual.blocks.0.attn.qkv.lora_A.weight" in caplog.text

@@ -34,3 +34,36 @@ def test_affinity_key_is_the_directory_key(checkpoint):
     missing = set(keys) - stored
     assert not missing, f"client keys not in the directory: {missing} (stored: {stored})"
     assert [h[AFFINITY_HEADER] for h in recorder.seen] == keys
+
+
+def _server_key(checkpoint, adapter, request) -> str:
+    """The key the servers derive: the loaded model's id over its builder's document tokens
+    (scorer_service/bank_link.py: document_key(loaded.model_id, document_ids))."""
+    from kev.bank.doc_key import document_key
+    from kev.loading import LoadedModel
+
+    loaded = LoadedModel.load(checkpoint, adapter)
+    ids, _ = loaded.builder.document_tokens(request.document, request.truncate_document)
+    return document_key(loaded.model_id, ids)
+
+
+def test_client_key_equals_server_key_with_and_without_adapter(checkpoint, tmp_path):
+    import shutil
+
+    from tiny_checkpoints import make_lora_adapter
+
+    base = shutil.copytree(checkpoint, tmp_path / "kev-base")
+    (base / "kev.json").unlink()  # ids from directory names: the case where the adapter changes the id
+    adapter = make_lora_adapter(tmp_path / "kev-lora@v2", base)
+    inside = shutil.copytree(base, tmp_path / "kev-run")
+    make_lora_adapter(inside, base)
+    (request,) = make_requests(1, make_documents(1, seed=7), seed=8)
+    cases = {"no-adapter": (base, None), "separate-adapter": (base, adapter), "adapter-inside": (inside, None)}
+    keys = {}
+    for name, (ckpt, lora) in cases.items():
+        with KevClient("localhost:1", ckpt, lora) as client:  # the channel never connects
+            keys[name] = client.affinity_key(request)
+        assert keys[name] == _server_key(ckpt, lora, request), name
+    assert [k.split(":")[0] for k in keys.values()] == ["kev-base", "kev-lora-v2", "kev-run"]
+    # Without its adapter argument the client would have routed by another model's key.
+    assert keys["no-adapter"] != keys["separate-adapter"]
