@@ -140,6 +140,7 @@ class BankService:
         log.info("listening on %s (port %d), instance %s", cfg.listen, self.port, self.instance)
 
         t0 = time.perf_counter()
+        log.info("start-up: loading weights from %s on %s", cfg.checkpoint, cfg.device)
         loaded = LoadedModel.load(cfg.checkpoint, cfg.adapter, device=cfg.device,
                                   limits=Limits(max_document_tokens=cfg.max_document_tokens))
         self.model_id, self.vocab_size = loaded.model_id, loaded.model.cfg.vocab_size
@@ -179,6 +180,7 @@ class BankService:
         self.server.set_serving(True)
         log.info("serving %s as node %s (metrics port %s; %d start-up objects frozen out of GC scans)",
                  SERVICE_NAME, cfg.node, cfg.metrics_port or "off", frozen)
+        log.info("start-up: ready in %.1f s", time.perf_counter() - t0)
         return True
 
     def _warm_up(self, passes: Passes, bank) -> None:

@@ -7,7 +7,16 @@
         ...                                       # the real gRPC API
     # everything stopped (SIGTERM, then SIGKILL after a grace period), the temp dir removed
 
-or `python -m kev.stack CHECKPOINT` to keep one running until Ctrl-C.
+or, to keep one running until Ctrl-C (the README's "Run a stack and call it"):
+
+    python -m kev.stack CHECKPOINT [--device cpu|cuda[:N]] [--bank-memory 256M] [--scorer-port 50051]
+
+`device`: where the bank and the scorer run (`KEV_DEVICE` of both; on CUDA the bank's pool is
+shared with the scorer by CUDA IPC, and start-up tunes kernel classes and captures CUDA graphs,
+minutes for a large model). Start-up progress: every service logs `start-up: ...` lines (loading
+weights, warm-up classes k/n, graphs captured k/n, ready in N s); `Stack(progress=...)` follows
+the logs and hands each such line to a callback while `start()` waits, and the command line
+prints them on its console (`ProgressPrinter`: a progress bar on a terminal, plain lines otherwise).
 
 Everything private lives in one temp dir under /tmp (unix socket paths are limited to ~107
 bytes): Redis listens only on `redis.sock` (no TCP port, no persistence), the bank on
@@ -25,19 +34,115 @@ those down and bring them back in place (same addresses; Redis comes back empty)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from kev.serving.processes import (REPO_ROOT, Proc, RedisProc, ServiceProc, StackError, bank_proc, free_port,
                                    scorer_proc)
 
-__all__ = ["REPO_ROOT", "Proc", "Stack", "StackError", "free_port", "main"]
+__all__ = ["REPO_ROOT", "LogFollower", "ProgressPrinter", "Proc", "Stack", "StackError", "free_port", "main",
+           "parse_size"]
 
 START_TIMEOUT_S = 120.0
+CUDA_START_TIMEOUT_S = 900.0  # the command line's default on CUDA: weights, class warm-up, graph captures
+PROGRESS_MARK = "start-up: "  # the services' progress log lines carry it
+_STEP = re.compile(r"(\d+)/(\d+)")
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `256M`, `8G`, `1.5GiB`, `65536` (binary units)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 256M, 8G or a number of bytes)")
+    return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " "))))
+
+
+class LogFollower(threading.Thread):
+    """Follows the `*.log` files of `directory` (Redis's aside) and calls `on_line(process, message)`
+    for each complete line holding `start-up: ` (the message is what follows it)."""
+
+    def __init__(self, directory: Path, on_line: Callable[[str, str], None], every_s: float = 0.1):
+        super().__init__(name="kev-stack-progress", daemon=True)
+        self.directory, self.on_line, self.every_s = Path(directory), on_line, every_s
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.every_s):
+            self.poll()
+        self.poll()
+
+    def poll(self) -> None:
+        for path in sorted(self.directory.glob("*.log")):
+            if path.name == "redis.log":
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            self._offsets[path] = self._offsets.get(path, 0) + len(data)
+            *lines, rest = (self._partial.pop(path, b"") + data).split(b"\n")
+            self._partial[path] = rest
+            for line in lines:
+                text = line.decode(errors="replace")
+                at = text.find(PROGRESS_MARK)
+                if at >= 0:
+                    self.on_line(path.stem, text[at + len(PROGRESS_MARK):].strip())
+
+    def stop(self) -> None:
+        self._done.set()
+        if self.is_alive():
+            self.join(5.0)
+
+
+class ProgressPrinter:
+    """Prints start-up progress lines (`LogFollower`'s callback): on a terminal a progress bar for
+    steps `k/n` (redrawn in place, kept once done), otherwise one plain line each."""
+
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, width: int = 24):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.width, self.start = width, time.monotonic()
+        self._open = False  # a bar line is being redrawn
+
+    def __call__(self, process: str, message: str) -> None:
+        elapsed = time.monotonic() - self.start
+        step = _STEP.search(message)
+        if not self.tty:
+            print(f"[{elapsed:6.1f} s] {process}: {message}", file=self.stream, flush=True)
+            return
+        if step is None:
+            self._write(f"[{elapsed:6.1f} s] {process}: {message}", done=True)
+            return
+        k, n = int(step.group(1)), int(step.group(2))
+        filled = self.width * k // max(n, 1)
+        label = message[: step.start()].strip()
+        self._write(f"[{elapsed:6.1f} s] {process}: {label} [{'#' * filled}{'.' * (self.width - filled)}] {k}/{n}",
+                    done=k >= n)
+
+    def _write(self, text: str, done: bool) -> None:
+        self.stream.write("\r\x1b[K" + text + ("\n" if done else ""))
+        self.stream.flush()
+        self._open = not done
+
+    def close(self) -> None:
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False
 
 
 @dataclass
@@ -54,6 +159,8 @@ class Stack:
     torch_threads: int = 1  # per process: the bank and the scorers share the machine's cores
     start_timeout_s: float = START_TIMEOUT_S  # per process; GPU start-ups (8 GB of weights, warm-up) take longer
     python: str = sys.executable
+    device: str = "cpu"  # KEV_DEVICE of the bank and the scorers: cpu | cuda | cuda:N
+    progress: Callable[[str, str], None] | None = None  # (process, message) of each start-up line while starting
 
     def __post_init__(self) -> None:
         self.dir: Path | None = None
@@ -94,6 +201,9 @@ class Stack:
         if self.dir is not None:
             raise StackError("stack already started")
         self.dir = Path(tempfile.mkdtemp(prefix="kev-stack-", dir="/tmp"))
+        follower = LogFollower(self.dir, self.progress) if self.progress is not None else None
+        if follower is not None:
+            follower.start()
         try:
             self.redis = RedisProc(self.dir)  # StackError when redis-server is missing
             self.redis.start()
@@ -104,8 +214,12 @@ class Stack:
             self.bank.wait_serving(self.start_timeout_s)
             self.scorers[0].wait_serving(self.start_timeout_s)
         except BaseException:
+            if follower is not None:
+                follower.stop()
             self.stop()
             raise
+        if follower is not None:
+            follower.stop()
 
     def stop(self) -> None:
         """Scorers first (they release their pins), then the bank (it owns the memory), then Redis."""
@@ -138,7 +252,8 @@ class Stack:
     def _start_bank(self, wait: bool = True) -> None:
         self.bank = bank_proc(self.checkpoint, self.redis_url, self.bank_addr, self._path("bank.log"),
                               memory_bytes=self.bank_memory_bytes, lease_seconds=self.lease_seconds,
-                              torch_threads=self.torch_threads, env=self.bank_env, python=self.python,
+                              torch_threads=self.torch_threads, env={"KEV_DEVICE": self.device, **self.bank_env},
+                              python=self.python,
                               flags=["--node", "stack", "--shm-dir", str(self.dir),
                                      "--max-document-tokens", str(self.max_document_tokens), *self.bank_flags])
         self.bank.start()
@@ -167,7 +282,8 @@ class Stack:
         name = f"scorer{len(self.scorers)}"
         proc = scorer_proc(self.checkpoint, self.redis_url, self.bank_addr, addr, self._path(f"{name}.log"),
                            lease_seconds=self.lease_seconds, torch_threads=self.torch_threads,
-                           env={**self.scorer_env, **(env or {})}, python=self.python, name=name,
+                           env={"KEV_DEVICE": self.device, **self.scorer_env, **(env or {})}, python=self.python,
+                           name=name,
                            flags=["--max-document-tokens", str(self.max_document_tokens), *self.scorer_flags])
         self.scorers.append(proc)
         self.scorer_addrs.append(addr)
@@ -181,15 +297,46 @@ class Stack:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m kev.stack CHECKPOINT [--device cpu|cuda] [--bank-memory 256M] [--scorer-port 50051]`:
+    starts a stack, prints its start-up progress and addresses, serves until Ctrl-C / SIGTERM."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m kev.stack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--scorer-port", type=int, default=50051)
-    parser.add_argument("--bank-memory-bytes", type=int, default=256 << 20)
+    parser.add_argument("checkpoint", help="checkpoint directory (the demo model: kev/demo_model)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where the bank and the "
+                                                        "scorer run")
+    parser.add_argument("--bank-memory", type=parse_size, default=256 << 20,
+                        help="the bank's memory for document states, e.g. 256M (default) or 8G")
+    parser.add_argument("--bank-memory-bytes", type=int, dest="bank_memory", help=argparse.SUPPRESS)
+    parser.add_argument("--scorer-port", type=int, default=50051, help="the scorer's localhost port (default 50051)")
+    parser.add_argument("--max-document-tokens", type=int, default=65536, help="document limit (default 65536)")
+    parser.add_argument("--start-timeout", type=float, default=None,
+                        help=f"seconds per process (default {START_TIMEOUT_S:g} on CPU, {CUDA_START_TIMEOUT_S:g} on CUDA)")
     args = parser.parse_args(argv)
-    with Stack(args.checkpoint, bank_memory_bytes=args.bank_memory_bytes, scorer_port=args.scorer_port) as stack:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    timeout = args.start_timeout or (START_TIMEOUT_S if args.device == "cpu" else CUDA_START_TIMEOUT_S)
+    printer = ProgressPrinter()
+    print(f"starting a stack on {args.device}: {args.checkpoint} (bank memory {args.bank_memory >> 20} MiB)",
+          flush=True)
+    start = time.monotonic()
+    stack = Stack(args.checkpoint, bank_memory_bytes=args.bank_memory, scorer_port=args.scorer_port,
+                  device=args.device, max_document_tokens=args.max_document_tokens, start_timeout_s=timeout,
+                  progress=printer)
+    try:
+        stack.start()
+    except StackError as e:
+        printer.close()
+        print(f"the stack did not start: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        printer.close()
+        return 130
+    with stack:
+        printer.close()
+        print(f"stack ready in {time.monotonic() - start:.1f} s", flush=True)
         print(f"scorer {stack.scorer_addr}  bank {stack.bank_addr}  redis {stack.redis_url}", flush=True)
+        print(f"logs in {stack.dir}", flush=True)
         print(f"try: kev models --addr {stack.scorer_addr}   (Ctrl-C stops everything)", flush=True)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         signal.sigwait({signal.SIGINT, signal.SIGTERM})

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     log_settings(log, config)
     set_switch_interval(config.switch_interval_ms)
     start = time.perf_counter()
+    log.info("start-up: loading weights from %s on %s", config.checkpoint, config.device)
     loaded = LoadedModel.load(config.checkpoint, config.adapter, device=config.device, limits=config.limits)
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
              config.ops_backend)
@@ -85,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    log.info("start-up: attaching to the bank at %s", config.bank_addr)
     if attach_until_ready(service, stop):
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
         server.set_serving(True)
         log.info("serving (ready after %.1f s; %d start-up objects frozen out of GC scans)",
                  time.perf_counter() - start, frozen)
+        log.info("start-up: ready in %.1f s", time.perf_counter() - start)
         stop.wait()
 
     log.info("draining")

@@ -38,7 +38,7 @@ import torch
 
 from kev.bank.bank import Bank, BankHandle
 from kev.exec.batch import RowBatch
-from kev.exec.graphs import Buckets, CapturePolicy, GraphCache, GraphStats
+from kev.exec.graphs import Buckets, CapturePolicy, GraphCache, GraphStats, largest_first
 from kev.exec.memory import state_pass_peak_bytes
 from kev.exec.plan import GraphPlan, PassRole
 from kev.exec.static_pass import GraphKey
@@ -271,7 +271,11 @@ class PassBuilder:
             keys = self.start_keys(graphs.buckets)
             if capture:
                 start = time.perf_counter()
-                graphs.capture(passes, keys)
+                keys = largest_first(keys)
+                log.info("start-up: graphs captured 0/%d", len(keys))
+                for k, key in enumerate(keys, 1):  # one at a time: a start-up progress line each
+                    graphs.capture(passes, [key])
+                    log.info("start-up: graphs captured %d/%d (%s)", k, len(keys), key)
                 log.info("captured %d CUDA graphs in %.1f s: %s", len(keys), time.perf_counter() - start,
                          [str(k) for k in keys])
             else:

@@ -8,6 +8,8 @@ kernel the config with the least total time over those shapes. Nothing is writte
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,13 @@ from kev.ops.meta import PassMeta
 
 if TYPE_CHECKING:
     from kev.exec.passes import Passes
+
+log = logging.getLogger(__name__)
+
+
+def tuned_picks(tuner, cls: ShapeClass) -> dict[str, list[str]]:
+    """The configs `cls`'s cache holds per kernel (what `ClassTuner.tune` picked), as text for the log."""
+    return {name: sorted({str(cfg) for cfg in cache.values()}) for name, cache in tuner.caches(cls).items() if cache}
 
 
 def warm_shapes(cls: ShapeClass, *, row_slot: int = -1, row_prefix: int = 0,
@@ -72,12 +81,17 @@ def warm_up(runner: "Passes", classes: Iterable[ShapeClass] = tuple(ShapeClass),
     if runner.tuner is None:
         raise ValueError("the runner has no ClassTuner")
     gen = torch.Generator().manual_seed(seed)
-    done = []
-    for cls in classes:
+    done, classes = [], list(classes)
+    log.info("start-up: warm-up classes 0/%d %s", len(classes), [c.value for c in classes])
+    for k, cls in enumerate(classes, 1):
+        start = time.perf_counter()
         shapes = warm_shapes(cls, row_slot=row_slot, row_prefix=row_prefix,
                              max_prefix=getattr(runner.ops, "max_prefix_tokens", None))
         runner.tuner.tune(cls, [functools.partial(_warm_pass, runner, s, row_slot, gen) for s in shapes])
         done.append(cls)
+        log.info("start-up: warm-up classes %d/%d (%s: %d shapes in %.1f s)", k, len(classes), cls.value,
+                 len(shapes), time.perf_counter() - start)
+        log.info("autotune picks for class %s: %s", cls.value, tuned_picks(runner.tuner, cls))
     if torch.device(runner.device).type == "cuda":
         torch.cuda.synchronize(runner.device)
     return done
