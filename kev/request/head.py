@@ -27,7 +27,9 @@ File format `head.safetensors` (safetensors, never pickle):
     metadata     {"format": "kev-decision-head", "version": "1"}
 
 d must equal the backbone's hidden size. A file without metadata is accepted (heads converted by
-other tools); one whose metadata names another format or version is not. Any other tensor name is
+other tools); one whose metadata names another format or version is not. A Kev training run's
+pickled `head.pt` is never read here: `kev convert` (kev/model/convert.py, docs/models.md) reads it
+with torch's restricted unpickler, checks it and writes this file. Any other tensor name is
 an error, so a wrong file (e.g. model weights) fails loudly. Errors are `CheckpointError`s naming
 the file and the tensor.
 """
