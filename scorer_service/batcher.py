@@ -1,11 +1,19 @@
 """The cross-request row batcher: question rows of many requests into shared row passes.
 
-Decisions only, no tensors of its own: `submit` queues a request's rows (bounded: `max_queue`
-rows; a request that does not fit gets `Exhausted`, except that an empty queue takes any request,
-so there is no limit on questions per request); ONE worker thread takes rows in arrival order
-until a pass holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row is
-always taken) or the oldest row has waited `max_wait_ms`, then hands the pass to the engine's
-shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/exec/passes.py) -> `start_answers`.
+Decisions only, no tensors of its own: `submit` queues a request's rows; ONE worker thread builds
+each pass until it holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row
+is always taken) or the oldest waiting row has waited `max_wait_ms`, then hands the pass to the
+engine's shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/exec/passes.py) ->
+`start_answers`.
+
+Fairness (issue 27). Rows are queued per request, and a pass takes them round robin: one row of
+each waiting request in turn (starting after the request served last), so every request gets an
+equal share of every pass and a small request is in the next pass however big the others are; a
+big request is slower, never the others' failure. Admission counts each request's rows only up to
+one pass (`max_rows_per_pass`): the queue (`max_queue`) is full only when that many shares wait,
+which one request can never cause; a request that does not fit gets `Exhausted` (an empty queue
+takes any request). The question count per request is capped before this, by the server
+(KEV_MAX_QUESTIONS).
 When the queue is empty and a CUDA graph waits to be captured, the worker captures one, then looks
 at the queue again: a capture never delays a row that was already waiting.
 
@@ -77,13 +85,22 @@ class _Row:
     tokens: int
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """One request's rows still waiting for a pass (in request order)."""
+
+    since: float  # monotonic: when the request was queued
+    rows: deque[_Row]
+
+
 class RowBatcher:
     def __init__(self, link: BankLink, head: DecisionHead, metrics: ScorerMetrics, *, max_rows_per_pass: int,
                  max_tokens_per_pass: int, max_wait_ms: float, max_queue: int):
         self.link, self.head, self.metrics = link, head, metrics
         self.max_rows, self.max_tokens = max_rows_per_pass, max_tokens_per_pass
         self.max_wait_s, self.max_queue = max_wait_ms / 1000, max_queue
-        self._queue: deque[tuple[float, _Row]] = deque()
+        self._queue: deque[_Waiting] = deque()  # requests with rows waiting, round-robin order
+        self._rows = 0  # rows waiting in all
         self._cond = threading.Condition()
         self._stopping = False
         self._worker = threading.Thread(target=self._run, name="kev-row-worker", daemon=True)
@@ -91,22 +108,37 @@ class RowBatcher:
 
     @property
     def depth(self) -> int:
-        return len(self._queue)
+        return self._rows
+
+    def _share(self, rows: int) -> int:
+        """How many of a request's waiting rows count against `max_queue`: at most one pass's."""
+        return min(rows, self.max_rows)
 
     def submit(self, prepared: PreparedRequest, lease: DocLease) -> Job:
         job = Job(prepared, lease)
-        rows = [_Row(job, i, len(r.prompt.ids)) for i, r in enumerate(prepared.rows)]
+        rows = deque(_Row(job, i, len(r.prompt.ids)) for i, r in enumerate(prepared.rows))
         now = time.monotonic()
         with self._cond:
             if self._stopping:
                 raise ServiceError("the scorer is shutting down")
-            if self._queue and len(self._queue) + len(rows) > self.max_queue:
-                raise Exhausted(f"row queue full ({len(self._queue)} of {self.max_queue} rows waiting, "
-                                f"this request adds {len(rows)}); retry later")
-            self._queue.extend((now, r) for r in rows)
-            self.metrics.queue_depth.set(len(self._queue))
+            self._drop_done()
+            counted = sum(self._share(len(w.rows)) for w in self._queue)
+            if self._queue and counted + self._share(len(rows)) > self.max_queue:
+                raise Exhausted(f"row queue full ({counted} of {self.max_queue} rows waiting, counting each "
+                                f"request's rows up to one pass; this request adds {self._share(len(rows))}); "
+                                "retry later")
+            self._queue.append(_Waiting(now, rows))
+            self._rows += len(rows)
+            self.metrics.queue_depth.set(self._rows)
             self._cond.notify()
         return job
+
+    def _drop_done(self) -> None:
+        """Called with _cond held: forgets the rows of cancelled or failed requests."""
+        if any(w.rows[0].job.done.is_set() for w in self._queue):
+            for w in [w for w in self._queue if w.rows[0].job.done.is_set()]:
+                self._queue.remove(w)
+                self._rows -= len(w.rows)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Finishes what is queued, then stops the worker."""
@@ -122,21 +154,15 @@ class RowBatcher:
         without `wait`: no pass is ready now)."""
         with self._cond:
             while True:
-                while self._queue and self._queue[0][1].job.done.is_set():
-                    self._queue.popleft()  # cancelled or failed: drop its rows
+                self._drop_done()
                 if self._queue:
-                    oldest = self._queue[0][0]
-                    rows = tokens = 0
-                    for _, r in self._queue:
-                        if rows and (rows + 1 > self.max_rows or tokens + r.tokens > self.max_tokens):
-                            break
-                        rows, tokens = rows + 1, tokens + r.tokens
-                    full = rows < len(self._queue) or rows >= self.max_rows or tokens >= self.max_tokens
+                    oldest = min(w.since for w in self._queue)
+                    picks = self._round_robin()
+                    full = len(picks) < self._rows or len(picks) >= self.max_rows \
+                        or sum(r.tokens for _, r in picks) >= self.max_tokens
                     due = oldest + self.max_wait_s - time.monotonic()
                     if full or due <= 0 or self._stopping:
-                        batch = [self._queue.popleft()[1] for _ in range(rows)]
-                        self.metrics.queue_depth.set(len(self._queue))
-                        return batch
+                        return self._pop(picks)
                     if not wait:
                         return []
                     self._cond.wait(due)
@@ -148,6 +174,42 @@ class RowBatcher:
                     return []  # nothing queued: time for one capture
                 else:
                     self._cond.wait()
+
+    def _round_robin(self) -> list[tuple[_Waiting, _Row]]:
+        """Called with _cond held: the next pass's rows, one of each waiting request in turn (round
+        robin from the queue's front) until the pass is full; at least one row."""
+        picks: list[tuple[_Waiting, _Row]] = []
+        tokens, depth = 0, 0
+        while True:
+            added = False
+            for w in self._queue:
+                if depth >= len(w.rows):
+                    continue
+                r = w.rows[depth]
+                if picks and (len(picks) + 1 > self.max_rows or tokens + r.tokens > self.max_tokens):
+                    return picks
+                picks.append((w, r))
+                tokens += r.tokens
+                added = True
+            if not added:
+                return picks
+            depth += 1
+
+    def _pop(self, picks: list[tuple[_Waiting, _Row]]) -> list[_Row]:
+        """Called with _cond held: removes `picks` from their requests; the requests served move to
+        the queue's back in order, so the next pass starts with those that got nothing or least."""
+        served: list[_Waiting] = []
+        for w, _ in picks:
+            w.rows.popleft()
+            if not served or served[-1] is not w and w not in served:
+                served.append(w)
+        self._rows -= len(picks)
+        for w in served:
+            self._queue.remove(w)
+            if w.rows:
+                self._queue.append(w)
+        self.metrics.queue_depth.set(self._rows)
+        return [r for _, r in picks]
 
     def _idle_work(self) -> bool:
         att = self.link.current

@@ -41,6 +41,7 @@ class ScorerConfig:
     max_tokens_per_pass: int = _env("KEV_MAX_TOKENS_PER_PASS", 8192)
     max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
+    max_questions: int = _env("KEV_MAX_QUESTIONS", 10000)  # per request; more is INVALID_ARGUMENT
     # A request without a deadline gets this budget (seconds), never an instant failure (issue 27).
     default_deadline_s: float = _env("KEV_DEFAULT_DEADLINE_S", 60.0)
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
@@ -66,7 +67,8 @@ class ScorerConfig:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be cpu or cuda[:N], got {self.device!r}")
-        for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_request_bytes", "grpc_threads",
+        for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_questions", "max_request_bytes",
+                     "grpc_threads",
                      "max_document_tokens", "max_row_tokens", "gathered_max_prefix_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -9,9 +9,11 @@ Status mapping (InvalidRequest here; the others are kev.serving.errors exception
     INVALID_ARGUMENT    kev.request.errors.InvalidRequest: the message starts with the field path, which is
                         also sent as trailing metadata `kev-field-bin` (UTF-8). Includes requests over
                         KEV_MAX_REQUEST_BYTES (the field holding the most bytes is named), invalid
-                        UTF-8 and unknown models. Above TRANSPORT_LIMIT_FACTOR x that limit gRPC itself
+                        UTF-8, unknown models and more than KEV_MAX_QUESTIONS questions (field
+                        `questions`). Above TRANSPORT_LIMIT_FACTOR x that limit gRPC itself
                         refuses the message with RESOURCE_EXHAUSTED before the server sees it.
-    RESOURCE_EXHAUSTED  the row queue is full (KEV_MAX_QUEUE), or the bank stayed full of pinned entries
+    RESOURCE_EXHAUSTED  the row queue is full (KEV_MAX_QUEUE; each request counts one pass's rows at most),
+                        or the bank stayed full of pinned entries
                         for its --full-wait-ms (a new document waits that long for a pin to go)
     UNAVAILABLE         the bank or Redis cannot be reached, the scorer is draining, or the document's
                         entry went stale twice in a row (bank restarts); safe to retry
@@ -102,7 +104,11 @@ class ScorerService:
     def _score(self, raw: bytes, context: grpc.ServicerContext) -> api.ScoreResponse:
         if self.draining:
             raise Unavailable("the scorer is draining; retry on another")
-        request = wire.request_from_proto(wire.parse_request(raw, self.config.max_request_bytes))
+        msg = wire.parse_request(raw, self.config.max_request_bytes)
+        if len(msg.questions) > self.config.max_questions:
+            raise InvalidRequest("questions", f"{len(msg.questions)} questions is over the limit of "
+                                              f"{self.config.max_questions} per request (KEV_MAX_QUESTIONS)")
+        request = wire.request_from_proto(msg)
         if request.model not in (None, self.loaded.model_id):
             raise InvalidRequest("model", f"unknown model {request.model!r} (this scorer serves "
                                           f"{self.loaded.model_id!r}; see ListModels)")
