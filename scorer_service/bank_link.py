@@ -202,9 +202,13 @@ class BankLink:
         try:
             if lease.attachment.directory.renew(lease.lease_id, self.config.lease_seconds) is None:
                 log.warning("lease %s expired before renewal", lease.lease_id)
+                self.metrics.lease_renewals.labels(result="expired").inc()
+            else:
+                self.metrics.lease_renewals.labels(result="ok").inc()
             lease.renewed_at = time.monotonic()
         except DirectoryUnavailable as e:
             log.warning("lease renewal failed (Redis unreachable): %s", e)
+            self.metrics.lease_renewals.labels(result="failed").inc()
 
     def release(self, lease: DocLease) -> None:
         """Drops the pin (idempotent). If Redis is unreachable the lease simply expires."""

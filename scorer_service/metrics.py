@@ -17,10 +17,15 @@
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
     kev_scorer_pins_held                     gauge      directory leases this process holds now
+    kev_scorer_lease_renewals_total{result}  counter    lease renewals: ok / expired (the pin was gone: its entry
+                                                        could be evicted under the request) / failed (no Redis)
     kev_scorer_graph_passes_total{path}      counter    row passes by path (CUDA only): replay (a CUDA graph),
                                                         eager_bucketed (a bucket without a graph yet),
                                                         unbucketed (fits no bucket: plain class-tuned pass)
     kev_scorer_graph_captures_total          counter    CUDA graphs captured (start-up and when idle)
+    kev_scorer_graph_row_tokens_total        counter    real row tokens of bucketed row passes (CUDA only)
+    kev_scorer_graph_padding_tokens_total    counter    padding tokens those buckets added (padding share =
+                                                        padding / (padding + row tokens))
 
 A private registry per instance keeps two scorers in one test process apart.
 """
@@ -67,6 +72,8 @@ class ScorerMetrics:
         self.bank_occupancy = Gauge("kev_scorer_bank_occupancy", "Used share of the bank", ["resource"],
                                     registry=r)
         self.pins_held = Gauge("kev_scorer_pins_held", "Directory leases held by this scorer", registry=r)
+        self.lease_renewals = Counter("kev_scorer_lease_renewals", "Lease renewals by result", ["result"],
+                                      registry=r)
         self._hits = self._misses = 0
         self._lock = threading.Lock()
         self._poller: threading.Thread | None = None
@@ -145,3 +152,7 @@ class _GraphCollector:
             passes.add_metric([label], getattr(s, attr))
         yield passes
         yield CounterMetricFamily("kev_scorer_graph_captures", "CUDA graphs captured", value=s.captures)
+        yield CounterMetricFamily("kev_scorer_graph_row_tokens", "Real row tokens of bucketed row passes",
+                                  value=getattr(s, "row_tokens", 0))
+        yield CounterMetricFamily("kev_scorer_graph_padding_tokens", "Padding tokens of bucketed row passes",
+                                  value=getattr(s, "padding_tokens", 0))

@@ -116,6 +116,8 @@ class GraphStats:
     unbucketed: int = 0  # passes that fit no bucket (Passes' eager path)
     captures: int = 0
     evictions: int = 0
+    row_tokens: int = 0  # real row tokens run in row buckets (a sweep's rows included)
+    padding_tokens: int = 0  # the padding those buckets added (kev_scorer_graph_padding_tokens)
     capture_errors: list[str] = field(default_factory=list)
 
 
@@ -179,6 +181,7 @@ class GraphCache:
         """`batch` in `key`'s bucket: [P, d] hidden states at the real picks."""
         entry = self._entry(passes, key)
         P = entry.static.fill_rows(*batch.host_fields(), passes.bank.block_table)
+        self._count_padding(key, batch)
         return self._run(passes, key, entry)[:P].clone()
 
     def run_state(self, passes: Passes, key: GraphKey, documents: Sequence[Sequence[int]],
@@ -195,7 +198,14 @@ class GraphCache:
         table = passes.bank.block_table
         entry.static.fill_state(documents, [h.slot for h in handles], table)
         P = entry.rows.fill_rows(*batch.host_fields(), table)
+        self._count_padding(key.rows, batch)
         return self._run(passes, key, entry)[:P].clone()
+
+    def _count_padding(self, key: GraphKey, batch: RowBatch) -> None:
+        """Row tokens and the padding `key`'s bucket adds to them (host ints only)."""
+        real = sum(batch.row_lens)
+        self.stats.row_tokens += real
+        self.stats.padding_tokens += max(key.num_tokens - real, 0)
 
     # ---- capture -------------------------------------------------------------------------------
 
