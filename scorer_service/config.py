@@ -42,6 +42,10 @@ class ScorerConfig:
     max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
     max_questions: int = _env("KEV_MAX_QUESTIONS", 10000)  # per request; more is INVALID_ARGUMENT
+    # Bounded memory (scorer_service/admission.py): documents over max tokens x this many characters are
+    # refused (or cut, with truncation) before tokenising; parsing + tokenising share a memory budget.
+    max_chars_per_token: int = _env("KEV_MAX_CHARS_PER_TOKEN", 16)
+    tokenize_memory_bytes: int = _env("KEV_TOKENIZE_MEMORY_BYTES", 512 << 20)
     # A request without a deadline gets this budget (seconds), never an instant failure (issue 27).
     default_deadline_s: float = _env("KEV_DEFAULT_DEADLINE_S", 60.0)
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
@@ -59,6 +63,7 @@ class ScorerConfig:
     # Flags only: knobs deployments rarely change.
     max_request_bytes: int = 16 << 20  # serialized ScoreQuestionsRequest; larger is INVALID_ARGUMENT
     grpc_threads: int = 256  # concurrent RPCs being handled (each waits on its rows)
+    tokenize_workers: int = 4  # requests parsed and tokenised at once (within KEV_TOKENIZE_MEMORY_BYTES)
     bank_timeout_s: float = 30.0  # cap on one Acquire (a state pass), whatever the client's deadline
     max_document_tokens: int = Limits.max_document_tokens  # including <state>; at most the bank's
     max_row_tokens: int = Limits.max_row_tokens  # one question row, every delimiter included
@@ -68,7 +73,7 @@ class ScorerConfig:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be cpu or cuda[:N], got {self.device!r}")
         for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_questions", "max_request_bytes",
-                     "grpc_threads",
+                     "grpc_threads", "max_chars_per_token", "tokenize_memory_bytes", "tokenize_workers",
                      "max_document_tokens", "max_row_tokens", "gathered_max_prefix_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -105,6 +110,11 @@ class ScorerConfig:
         if self.ops_backend == "gathered":
             return min(self.max_document_tokens, self.gathered_max_prefix_tokens)
         return self.max_document_tokens
+
+    @property
+    def document_char_limit(self) -> int:
+        """Characters of document text taken to the tokenizer at most (scorer_service/admission.py)."""
+        return self.document_limit * self.max_chars_per_token
 
     @property
     def limits(self) -> Limits:

@@ -25,6 +25,7 @@ Status mapping (InvalidRequest here; the others are kev.serving.errors exception
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -33,11 +34,12 @@ import grpc
 from kev.request import api
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
-from kev.request.prompts import validate_and_build
+from kev.request.prompts import render_document, validate_and_build
 from kev.serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from kev.serving.grpc_server import GrpcServer
 from kev.v1 import scorer_pb2 as pb
 from kev.rpc import wire
+from scorer_service.admission import TokenizeGate, check_document_size
 from scorer_service.bank_link import BankLink, StaleAttachment
 from scorer_service.batcher import Job, RowBatcher
 from scorer_service.config import ScorerConfig
@@ -55,6 +57,7 @@ class ScorerService:
                  metrics: ScorerMetrics):
         self.config, self.loaded, self.link, self.batcher, self.metrics = config, loaded, link, batcher, metrics
         self.draining = False
+        self.gate = TokenizeGate(config.tokenize_memory_bytes, config.tokenize_workers)
 
     # ------------------------------------------------------------------------------ RPCs
 
@@ -104,16 +107,26 @@ class ScorerService:
     def _score(self, raw: bytes, context: grpc.ServicerContext) -> api.ScoreResponse:
         if self.draining:
             raise Unavailable("the scorer is draining; retry on another")
+        deadline = time.monotonic() + self.budget_s(context)
         msg = wire.parse_request(raw, self.config.max_request_bytes)
         if len(msg.questions) > self.config.max_questions:
             raise InvalidRequest("questions", f"{len(msg.questions)} questions is over the limit of "
                                               f"{self.config.max_questions} per request (KEV_MAX_QUESTIONS)")
-        request = wire.request_from_proto(msg)
-        if request.model not in (None, self.loaded.model_id):
-            raise InvalidRequest("model", f"unknown model {request.model!r} (this scorer serves "
-                                          f"{self.loaded.model_id!r}; see ListModels)")
-        deadline = time.monotonic() + self.budget_s(context)
-        prepared = validate_and_build(request, self.loaded.builder)
+        kind = msg.WhichOneof("document")
+        if kind is not None:  # the size bound before parsing and tokenising (scorer_service/admission.py)
+            check_document_size(len(getattr(msg, kind)), self.config.document_char_limit,
+                                truncate=msg.truncate_document, json=kind == "document_json",
+                                per_token=self.config.max_chars_per_token)
+        with self.gate.hold(len(raw), deadline):
+            request = wire.request_from_proto(msg)
+            del msg
+            if request.model not in (None, self.loaded.model_id):
+                raise InvalidRequest("model", f"unknown model {request.model!r} (this scorer serves "
+                                              f"{self.loaded.model_id!r}; see ListModels)")
+            request, cut = self._bounded_document(request)
+            prepared = validate_and_build(request, self.loaded.builder)
+            if cut and not prepared.truncated:
+                prepared = dataclasses.replace(prepared, truncated=True)
         for attempt in (1, 2):
             try:
                 lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic())
@@ -136,6 +149,19 @@ class ScorerService:
         model_ms = job.model_ms + (0.0 if lease.cached else lease.acquire_ms)
         return api.ScoreResponse(answers={r.name: job.answers[r.name] for r in prepared.rows}, usage=usage,
                                  model_ms=model_ms, model=self.loaded.model_id)
+
+    def _bounded_document(self, request: api.ScoreRequest) -> tuple[api.ScoreRequest, bool]:
+        """The request with its document as text of at most KEV_MAX_CHARS_PER_TOKEN x the token limit
+        characters (cut when it asks for truncation), and whether it was cut. JSON is rendered here,
+        exactly as the prompt builder would, so its rendered size is checked before tokenising."""
+        doc, limit = request.document, self.config.document_char_limit
+        text = doc if isinstance(doc, str) else render_document(doc)
+        if len(text) <= limit:
+            return (request if text is doc else dataclasses.replace(request, document=text)), False
+        if not request.truncate_document:
+            check_document_size(len(text), limit, truncate=False, json=False,
+                                per_token=self.config.max_chars_per_token)
+        return dataclasses.replace(request, document=text[:limit]), True
 
     def budget_s(self, context: grpc.ServicerContext) -> float:
         """Seconds this request may take: the client's deadline, or KEV_DEFAULT_DEADLINE_S without one.

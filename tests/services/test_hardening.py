@@ -135,3 +135,76 @@ def test_question_cap_is_invalid_argument(stub):
         stub.ScoreQuestions(over, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("questions: 10001 questions is over the limit of 10000")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. bounded memory on big input
+
+BIG_DOC_BYTES = 15 << 20
+RSS_GROWTH_BOUND = 500 << 20
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def test_four_15_mib_documents_are_refused_fast_with_bounded_memory(stack, stub):
+    """4 concurrent 15 MiB documents: each INVALID_ARGUMENT in < 1 s, before tokenising; the
+    scorer's peak RSS (VmHWM) grows < 500 MB; a small request meanwhile is answered."""
+    import threading
+    import time
+
+    from kev.v1 import scorer_pb2 as pb
+
+    pid = stack.scorers[0].pid
+    stub.ScoreQuestions(pb.ScoreQuestionsRequest(document_text="hello", questions={
+        "q": pb.Question(type=pb.Question.NOUL, instructions="is it")}), timeout=60)
+    hwm_before = _status_kib(pid, "VmHWM") << 10
+    word = "customer refund late "
+    texts = [(word * (BIG_DOC_BYTES // len(word) + 1))[:BIG_DOC_BYTES - i] for i in range(4)]
+    results = []
+
+    def send(text: str, json: bool) -> None:
+        field = {"document_json": '{"a": "' + text + '"}'} if json else {"document_text": text}
+        msg = pb.ScoreQuestionsRequest(**field, questions={"q": pb.Question(type=pb.Question.NOUL, instructions="is it")})
+        with grpc.insecure_channel(stack.scorer_addr, options=[("grpc.max_send_message_length", -1)]) as ch:
+            s = scorer_pb2_grpc.ScorerStub(ch)
+            t0 = time.perf_counter()
+            try:
+                s.ScoreQuestions(msg, timeout=60)
+                results.append(("OK", time.perf_counter() - t0, ""))
+            except grpc.RpcError as e:
+                results.append((e.code().name, time.perf_counter() - t0, e.details()))
+
+    threads = [threading.Thread(target=send, args=(t, i == 3)) for i, t in enumerate(texts)]
+    for t in threads:
+        t.start()
+    small_t0 = time.perf_counter()
+    stub.ScoreQuestions(pb.ScoreQuestionsRequest(document_text="the refund", questions={
+        "q": pb.Question(type=pb.Question.NOUL, instructions="is it late")}), timeout=60)
+    small_s = time.perf_counter() - small_t0
+    for t in threads:
+        t.join()
+    growth = (_status_kib(pid, "VmHWM") << 10) - hwm_before
+    print(f"4 x 15 MiB: {[(c, round(s, 3)) for c, s, _ in results]}, small request {small_s:.3f} s, "
+          f"scorer peak RSS growth {growth >> 20} MiB")
+    assert len(results) == 4
+    for code, seconds, details in results:
+        assert code == "INVALID_ARGUMENT", details
+        assert details.startswith("document: document ") and "before" in details, details
+        assert seconds < 1.0
+    assert growth < RSS_GROWTH_BOUND
+    no_pins_left(stack)
+
+
+def test_truncation_cuts_a_huge_document_before_tokenising(stub):
+    from kev.v1 import scorer_pb2 as pb
+
+    msg = pb.ScoreQuestionsRequest(document_text="refund " * (1 << 20), truncate_document=True,
+                                   questions={"q": pb.Question(type=pb.Question.NOUL, instructions="is it")})
+    reply = stub.ScoreQuestions(msg, timeout=60)
+    assert reply.usage.truncated and reply.usage.document_tokens == 512
