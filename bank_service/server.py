@@ -3,7 +3,9 @@
 `BankService(config).start()` serves gRPC health at once (overall status SERVING while the process
 lives), loads the model, carves the shared bank, warms up, connects the directory, and only then
 marks `kev.v1.Bank` SERVING. `stop()` drains: NOT_SERVING, in-flight RPCs finish (grace), the
-worker stops, the directory namespace is dropped and the shared-memory file unlinked.
+worker stops, the directory namespace is dropped and the shared-memory file unlinked. A bank
+killed outright leaves no file either: its reaper process unlinks it, and the next bank reclaims
+what a dead instance left (kev/bank/shared.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import uuid
 import numpy as np
 import torch
 
-from kev.bank.shared import SharedBank
+from kev.bank.shared import SharedBank, reclaim_stale_segments
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
@@ -146,6 +148,7 @@ class BankService:
         self.model_id, self.vocab_size = loaded.model_id, loaded.model.cfg.vocab_size
         log.info("weights loaded in %.1f s", time.perf_counter() - t0)
         dtype = next(loaded.model.parameters()).dtype
+        reclaim_stale_segments(cfg.shm_dir)  # files of bank instances that died (kev/bank/shared.py)
         self.shared = SharedBank.create(
             loaded.model.cfg, cfg.memory_bytes, instance=self.instance, dtype=dtype, device=cfg.device,
             block_size=cfg.block_size, avg_doc_tokens=cfg.avg_doc_tokens, max_doc_tokens=cfg.max_document_tokens,

@@ -33,15 +33,27 @@ generation in the shared table before its pages change. `AttachedBank.check` rea
 Lifetime: the owner must outlive every mapper (CUDA IPC requires it). On CPU the owner unlinks the
 file at `close()`; mappings that exist stay valid until dropped. A restarted bank has a new
 instance id and new segment names, so mappers must re-attach (AttachResponse.instance changed).
+
+Crashes leave nothing behind (issue 27). The owner holds an exclusive `flock` on each of its files
+for its whole life, and starts a tiny reaper process (`python -S`, no imports) holding the other
+end of a pipe: when the owner dies, even by SIGKILL, the pipe closes and the reaper unlinks the
+files (mappings that exist stay valid). If the reaper died too (a container killed whole), the
+next bank reclaims at start-up every `kev-bank-*` file in its shm dir whose lock is free and
+whose owner pid is not a live process here (`reclaim_stale_segments`); a live bank's file is
+locked and never touched.
 """
 
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
+import logging
 import mmap
 import os
 import re
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +65,14 @@ from kev.bank.layout import StatePools
 from kev.model.config import ModelConfig
 from kev.v1 import bank_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 LAYOUT_VERSION = 1
+SEGMENT_PREFIX = "kev-bank-"
+_SEGMENT_NAME = re.compile(r"kev-bank-[0-9a-f]+-(\d+)-[0-9a-f]+")  # kev-bank-<time>-<pid>-<uuid> (bank_service)
+# The reaper: waits for its stdin (a pipe the owner holds) to close, then unlinks its arguments.
+_REAPER = ("import os,sys\nsys.stdin.buffer.read()\nfor p in sys.argv[1:]:\n"
+           " try: os.unlink(p)\n except OSError: pass\n")
 ALIGN_BYTES = 256
 GENERATION_EPOCH_S = 1_735_689_600  # 2025-01-01T00:00:00Z: generation seeds count seconds from here
 
@@ -142,8 +161,12 @@ class _ShmSegment(_Segment):
         self.path, self.nbytes, self.owner = path, nbytes, create
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self._lock_fd: int | None = None
         try:
             if create:
+                # Held for the owner's life: a free lock marks a dead owner's file (reclaim_stale_segments).
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_fd = os.dup(fd)
                 try:
                     # Reserve the pages now: a full tmpfs fails here, not as SIGBUS on first write.
                     os.posix_fallocate(fd, 0, nbytes)
@@ -153,6 +176,10 @@ class _ShmSegment(_Segment):
             elif os.fstat(fd).st_size != nbytes:
                 raise ValueError(f"{path}: {os.fstat(fd).st_size} bytes, the descriptor says {nbytes}")
             mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise
         finally:
             os.close(fd)
         # frombuffer keeps `mapping` alive as long as any view of it lives.
@@ -166,6 +193,68 @@ class _ShmSegment(_Segment):
         if self.owner:
             self.path.unlink(missing_ok=True)
             self.owner = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim_stale_segments(shm_dir: str | Path) -> list[Path]:
+    """Unlinks `kev-bank-*` files in `shm_dir` left by banks that died (module docstring): the file's
+    lock is free and the pid in its name is not a live process here (or is this process: a container
+    restarted with the same pid). Returns the files removed."""
+    removed = []
+    for path in sorted(Path(shm_dir).glob(SEGMENT_PREFIX + "*")):
+        m = _SEGMENT_NAME.fullmatch(path.name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid != os.getpid() and _pid_alive(pid):
+            continue
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: its owner lives
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("reclaimed %d shared-memory segment(s) of dead bank instances: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
+class _Reaper:
+    """A `python -S` child that unlinks `paths` once this process is gone (its stdin pipe closes)."""
+
+    def __init__(self, paths: list[Path]):
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", _REAPER, *map(str, paths)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, close_fds=True)
+
+    def close(self) -> None:
+        """After the owner unlinked its files itself: the reaper exits."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def _b64(x: bytes | None) -> str | None:
@@ -227,6 +316,8 @@ class SharedBank:
         self._placement = placement
         self._segments = segments
         self.instance = instance
+        paths = self.segment_paths
+        self._reaper = _Reaper(paths) if paths else None
 
     @classmethod
     def create(cls, cfg: ModelConfig, memory_bytes: int, *, instance: str, dtype: torch.dtype = torch.float32,
@@ -311,6 +402,9 @@ class SharedBank:
             segment.close()
         self.tensors = {}
         self._placement = {}
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
 
 
 # ---------------------------------------------------------------------------------------------
