@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 from kev.bank.bank import Bank, BankFull, BankHandle
 from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
-from kev.bank.doc_key import document_key
+from kev.bank.doc_key import document_key, key_fingerprint
 from kev.exec.passes import Passes
 
 from kev.serving.errors import DeadlineExceeded, Exhausted, Internal, ServiceError, Unavailable
@@ -231,7 +231,9 @@ class Acquirer:
                 self._finish(job, live, new=False)
                 continue
             try:
-                passes.append((job, self._alloc(len(job.tokens))))
+                handle = self._alloc(len(job.tokens))
+                self.bank.bind(handle, key_fingerprint(job.doc_key))  # before anyone hears of the slot
+                passes.append((job, handle))
             except BankFull:
                 full.append(job)
             except DirectoryUnavailable as e:

@@ -17,6 +17,13 @@ instance (the bank restarted) is re-attached, and the handle is dropped (`StaleA
 request retries once). Right before each row pass the batcher also checks every handle against
 the mapped slot generations (`AttachedBank.check`).
 
+Never another document's state (issue 27). The bank stores each live slot's document key
+fingerprint beside its generation in the shared memory; a handle is checked against the request's
+own fingerprint when it is obtained and again before every row pass. A directory entry pointing at
+a live slot of another document (a forged or corrupted entry) is a `WrongEntry`: the entry is
+dropped from the directory (repair), the request retries once through the bank (which holds the
+truth), and fails with a clear UNAVAILABLE if the entry cannot be dropped (pinned).
+
 Passes. Each attachment has its own passes (`kev.exec.passes.PassBuilder.build`): on CUDA, graphs
 hold the mapped memory's addresses, so a new bank instance gets new graphs. The process's tuner
 and its warm-up are kept; the first attachment (start-up, before SERVING) captures the start-up
@@ -35,7 +42,8 @@ import numpy as np
 
 from kev.bank.bank import BankHandle
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
-from kev.bank.doc_key import document_key
+from kev.bank.doc_key import document_key, key_fingerprint
+from kev.bank.shared import WrongDocument
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.exec.passes import PassBuilder, Passes
@@ -49,6 +57,10 @@ log = logging.getLogger(__name__)
 
 class StaleAttachment(Unavailable):
     """The handle belongs to another bank instance or is no longer live: the request retries once."""
+
+
+class WrongEntry(StaleAttachment):
+    """The directory's entry for the document points at a slot holding another document."""
 
 
 @dataclass(eq=False)
@@ -71,6 +83,7 @@ class DocLease:
     cached: bool  # the state was in the bank already (no state pass for this request)
     attachment: Attachment
     acquire_ms: float  # time spent getting the handle (includes the bank's state pass on a miss)
+    fingerprint: int | None = None  # key_fingerprint of the document: what its slot must hold
     renewed_at: float = field(default_factory=time.monotonic)
     released: bool = False
 
@@ -186,6 +199,8 @@ class BankLink:
         try:
             if not self._confirm(att):
                 raise StaleAttachment("the bank restarted while the document was looked up")
+            lease.fingerprint = key_fingerprint(key)
+            self._check_document(att, key, lease)
             if lease.length != len(document_ids):
                 raise ServiceError(f"bank entry holds {lease.length} tokens, the document has {len(document_ids)}")
         except BaseException:
@@ -194,6 +209,25 @@ class BankLink:
         lease.acquire_ms = (time.perf_counter() - start) * 1000
         self.metrics.lookup(lease.cached)
         return lease
+
+    def _check_document(self, att: Attachment, key: str, lease: DocLease) -> None:
+        """WrongEntry (after dropping the entry) if the handle's slot holds another document."""
+        try:
+            att.bank.check(lease.handle, lease.fingerprint)
+        except WrongDocument as e:
+            h = lease.handle
+            self.metrics.wrong_entries.inc()
+            self.release(lease)
+            try:
+                att.directory.unregister(key, h.slot, h.generation)
+                repaired = "the entry was dropped from the directory; the request retries through the bank"
+            except Exception as err:  # noqa: BLE001 - DirectoryConflict (pinned) or Redis down
+                repaired = f"the entry could not be dropped ({type(err).__name__}: {err})"
+            log.error("directory entry of %s points at %s: %s; %s", key, h, e, repaired)
+            raise WrongEntry(f"directory entry of document {key} points at {h}, which holds another document "
+                             f"(key fingerprint mismatch); {repaired}") from None
+        except Exception:  # noqa: BLE001 - StaleHandle: left to the batcher's check (retried there)
+            pass
 
     def renew_if_due(self, lease: DocLease) -> None:
         """Extends the lease when a third of it has passed (a request waiting long keeps its pin)."""

@@ -254,7 +254,7 @@ class RowBatcher:
                     err = StaleAttachment("the bank was re-attached since this document's handle was taken")
                 else:
                     try:
-                        current.bank.check(job.lease.handle)
+                        current.bank.check(job.lease.handle, job.lease.fingerprint)
                     except Exception as e:  # noqa: BLE001 - StaleHandle or the mapping's own error
                         err = StaleAttachment(f"bank entry no longer live: {e}")
                 if err is not None:

@@ -17,6 +17,8 @@
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
     kev_scorer_pins_held                     gauge      directory leases this process holds now
+    kev_scorer_wrong_entries_total           counter    directory entries found pointing at another document's
+                                                        slot (fingerprint mismatch; dropped, never answered from)
     kev_scorer_lease_renewals_total{result}  counter    lease renewals: ok / expired (the pin was gone: its entry
                                                         could be evicted under the request) / failed (no Redis)
     kev_scorer_graph_passes_total{path}      counter    row passes by path (CUDA only): replay (a CUDA graph),
@@ -72,6 +74,8 @@ class ScorerMetrics:
         self.bank_occupancy = Gauge("kev_scorer_bank_occupancy", "Used share of the bank", ["resource"],
                                     registry=r)
         self.pins_held = Gauge("kev_scorer_pins_held", "Directory leases held by this scorer", registry=r)
+        self.wrong_entries = Counter("kev_scorer_wrong_entries", "Directory entries pointing at another "
+                                     "document's slot (dropped; never answered from)", registry=r)
         self.lease_renewals = Counter("kev_scorer_lease_renewals", "Lease renewals by result", ["result"],
                                       registry=r)
         self._hits = self._misses = 0

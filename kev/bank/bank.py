@@ -47,7 +47,8 @@ class Bank:
     bump, so a reader in another process can check a handle without asking this allocator."""
 
     def __init__(self, cfg: ModelConfig, pools: StatePools, max_doc_tokens: int = 65536, *,
-                 block_table: torch.Tensor | None = None, generations: torch.Tensor | None = None):
+                 block_table: torch.Tensor | None = None, generations: torch.Tensor | None = None,
+                 fingerprints: torch.Tensor | None = None):
         self.cfg = cfg
         self.pools = pools
         self.block_size = pools.block_size
@@ -68,6 +69,13 @@ class Bank:
             raise ValueError(f"generations must be [{S}] int64 on the CPU, "
                              f"got {list(generations.shape)} {generations.dtype} {generations.device}")
         self._shared_generations = generations
+        # Shared [slots] int64 beside the generations: the fingerprint of the document key each live
+        # slot holds (0: none), written by `bind` before the entry is registered (issue 27).
+        if fingerprints is not None and (fingerprints.shape != (S,) or fingerprints.dtype != torch.int64):
+            raise ValueError(f"fingerprints must be [{S}] int64")
+        self.fingerprints = fingerprints
+        if fingerprints is not None:
+            fingerprints.zero_()
         self.lengths = [0] * S
         self.generations = generations.tolist() if generations is not None else [0] * S
         self._pages: list[list[int]] = [[] for _ in range(S)]
@@ -132,12 +140,21 @@ class Bank:
             self.generations[slot] += 1
             if self._shared_generations is not None:
                 self._shared_generations[slot] = self.generations[slot]
+            if self.fingerprints is not None:
+                self.fingerprints[slot] = 0
             self._free_blocks.extend(reversed(self._pages[slot]))
             self._pages[slot] = []
             self.block_table[slot] = -1
             self.lengths[slot] = 0
             self._used[slot] = False
             self._free_slots.append(slot)
+
+    def bind(self, handle: BankHandle, fingerprint: int) -> None:
+        """Records which document (kev.bank.doc_key.key_fingerprint) the live slot holds."""
+        with self._lock:
+            self._check(handle)
+            if self.fingerprints is not None:
+                self.fingerprints[handle.slot] = fingerprint
 
     def check(self, handle: BankHandle) -> None:
         with self._lock:

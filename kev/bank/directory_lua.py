@@ -154,7 +154,9 @@ else
     return redis.error_reply('KEV_CONFLICT slot ' .. slot .. ' is held by ' .. holder)
   end
   local last = redis.call('HGET', SLOT_GEN, slot)
-  if last and not gen_after(gen, last) then
+  -- The same document at the very handle it last had (its entry was dropped, e.g. a bad entry
+  -- repaired by a scorer) may come back: the bank is the truth about what the slot holds.
+  if last and not gen_after(gen, last) and not (last == gen and holder == doc) then
     return redis.error_reply('KEV_CONFLICT generation ' .. gen .. ' of slot ' .. slot ..
       ' is not newer than ' .. last .. ' (a reused slot needs a bumped generation)')
   end

@@ -19,6 +19,7 @@ Tensors (TensorDescriptor.name)
     layers.{i}.value_blocks  [blocks, block_size, Hkv, D]
     block_table              [slots, max_blocks] int32        K/V pages of each slot, -1 unused
     generations              [slots] int64, CPU               live generation of each slot
+    fingerprints             [slots] int64, CPU               key fingerprint of each slot's document (0: none)
 
 Descriptor bytes (TensorDescriptor.descriptor) are JSON naming the segment:
     SHARED_MEMORY  {"path": "/dev/shm/kev-bank-<instance>", "bytes": <segment size>}
@@ -67,7 +68,7 @@ from kev.v1 import bank_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: fingerprints beside the generations
 SEGMENT_PREFIX = "kev-bank-"
 _SEGMENT_NAME = re.compile(r"kev-bank-[0-9a-f]+-(\d+)-[0-9a-f]+")  # kev-bank-<time>-<pid>-<uuid> (bank_service)
 # The reaper: waits for its stdin (a pipe the owner holds) to close, then unlinks its arguments.
@@ -116,7 +117,8 @@ def _specs(cfg: ModelConfig, num_slots: int, num_blocks: int, block_size: int, m
         specs += [_Spec(f"layers.{i}.key_blocks", s["kv"], dtype, False),
                   _Spec(f"layers.{i}.value_blocks", s["kv"], dtype, False)]
     specs += [_Spec("block_table", (num_slots, max_blocks), torch.int32, False),
-              _Spec("generations", (num_slots,), torch.int64, True)]
+              _Spec("generations", (num_slots,), torch.int64, True),
+              _Spec("fingerprints", (num_slots,), torch.int64, True)]
     return specs
 
 
@@ -364,7 +366,8 @@ class SharedBank:
                 values=tuple(tensors[f"layers.{i}.value_blocks"] for i in cfg.attention_layers),
                 block_size=block_size,
             )
-            bank = Bank(cfg, pools, max_doc_tokens, block_table=tensors["block_table"], generations=generations)
+            bank = Bank(cfg, pools, max_doc_tokens, block_table=tensors["block_table"], generations=generations,
+                        fingerprints=tensors["fingerprints"])
         except BaseException:
             for segment in segments:
                 segment.close()
@@ -411,6 +414,10 @@ class SharedBank:
 # Mapper
 
 
+class WrongDocument(StaleHandle):
+    """The handle is live but its slot holds another document: the directory entry was wrong."""
+
+
 @dataclass(eq=False)
 class AttachedBank:
     """A mapped view of another process's bank: what `kev.exec.passes.Passes` needs of a bank.
@@ -426,6 +433,7 @@ class AttachedBank:
     block_table: torch.Tensor  # [slots, max_blocks] int32, on the bank's device
     generations: torch.Tensor  # [slots] int64, CPU shared memory
     tensors: dict[str, torch.Tensor] = field(repr=False)
+    fingerprints: torch.Tensor | None = None  # [slots] int64, CPU shared memory: each slot's document
 
     @property
     def num_slots(self) -> int:
@@ -438,16 +446,22 @@ class AttachedBank:
     def is_live(self, handle: BankHandle) -> bool:
         return 0 <= handle.slot < self.num_slots and int(self.generations[handle.slot]) == handle.generation
 
-    def check(self, handle: BankHandle) -> None:
-        """Raises StaleHandle unless `handle` is the slot's live generation in the owner's table."""
+    def check(self, handle: BankHandle, fingerprint: int | None = None) -> None:
+        """Raises StaleHandle unless `handle` is the slot's live generation in the owner's table, and
+        WrongDocument unless the slot holds the document of `fingerprint` (when given)."""
         if not self.is_live(handle):
             raise StaleHandle(f"bank handle {handle} is not live in bank instance {self.instance}")
+        if fingerprint is not None and self.fingerprints is not None:
+            held = int(self.fingerprints[handle.slot])
+            if held != fingerprint:
+                raise WrongDocument(f"bank slot {handle.slot} (generation {handle.generation}) holds another "
+                                    f"document (key fingerprint {held:#x}, expected {fingerprint:#x})")
 
     def close(self) -> None:
         """Drop this process's mappings (they go when the last view of them is gone)."""
         empty = torch.empty(0)
         self.pools = StatePools((), (), (), (), self.pools.block_size)
-        self.block_table = self.generations = empty
+        self.block_table = self.generations = self.fingerprints = empty
         self.tensors = {}
 
 
@@ -478,7 +492,7 @@ def attach(response: pb.AttachResponse) -> AttachedBank:
     for name, t in tensors.items():
         if m := _LAYER_NAME.fullmatch(name):
             layers[m.group(2)][int(m.group(1))] = t
-    for name in ("block_table", "generations"):
+    for name in ("block_table", "generations", "fingerprints"):
         if name not in tensors:
             raise ValueError(f"attach response lacks tensor {name!r}")
     if sorted(layers["recurrent"]) != sorted(layers["conv"]) \
@@ -501,4 +515,8 @@ def attach(response: pb.AttachResponse) -> AttachedBank:
     if any(t.shape[:2] != (response.block_count, response.block_size) for t in (*pools.keys, *pools.values)):
         raise ValueError(f"attach response: K/V pools disagree with {response.block_count} blocks "
                          f"of {response.block_size}")
-    return AttachedBank(response.model, response.node, response.instance, pools, block_table, generations, tensors)
+    fingerprints = tensors["fingerprints"]
+    if fingerprints.device.type != "cpu" or fingerprints.dtype != torch.int64 or fingerprints.shape != (slots,):
+        raise ValueError("attach response: fingerprints must be [slots] int64 in host shared memory")
+    return AttachedBank(response.model, response.node, response.instance, pools, block_table, generations, tensors,
+                        fingerprints)

@@ -448,7 +448,7 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
     order = []
     passes = SimpleNamespace(state_pass=lambda docs, handles: order.append("state_pass"),
                              synchronize=lambda: order.append("synchronize"))
-    bank = SimpleNamespace(alloc=lambda n: BankHandle(len(order), 1))
+    bank = SimpleNamespace(alloc=lambda n: BankHandle(len(order), 1), bind=lambda handle, fingerprint: None)
 
     def register(doc_key, slot, generation, length, pin_lease_s=None):
         order.append("register")

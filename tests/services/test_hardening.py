@@ -208,3 +208,43 @@ def test_truncation_cuts_a_huge_document_before_tokenising(stub):
                                    questions={"q": pb.Question(type=pb.Question.NOUL, instructions="is it")})
     reply = stub.ScoreQuestions(msg, timeout=60)
     assert reply.usage.truncated and reply.usage.document_tokens == 512
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. directory integrity
+
+
+def test_a_forged_directory_entry_never_answers_from_another_document(stack, stub, checkpoint):
+    """Rewriting document A's entry to point at document B's slot and generation: the scorer sees
+    B's key fingerprint in the shared bank, drops the entry and answers A from A's own state (or
+    fails clearly); never with B's answers."""
+    from kev.bank.doc_key import document_key
+    from kev.loading import LoadedModel
+    from kev.request.prompts import Limits, validate_and_build
+
+    docs = ["the customer is angry about a late refund", "the invoice was paid early by legal"]
+    question = make_requests(1, ["x"], seed=2761)[0].questions
+    reqs = [api.ScoreRequest(d, question) for d in docs]
+    want = engine_answers(checkpoint, reqs)
+    assert want[0].answers != want[1].answers
+    for r in reqs:  # both states in the bank
+        response_from_proto(stub.ScoreQuestions(request_to_proto(r), timeout=60), r)
+    loaded = LoadedModel.load(checkpoint, limits=Limits(max_document_tokens=512))
+    keys = [document_key(loaded.model_id, validate_and_build(r, loaded.builder).document_ids) for r in reqs]
+    d = directory(stack)
+    entries = {e.doc_key: e for e in d.entries()}
+    a, b = entries[keys[0]], entries[keys[1]]
+    d.client.hset(d.prefix + "e:" + a.doc_key, mapping={"slot": b.slot, "generation": b.generation})
+
+    try:
+        got = response_from_proto(stub.ScoreQuestions(request_to_proto(reqs[0]), timeout=60), reqs[0])
+    except grpc.RpcError as e:  # allowed: a clear error naming the mismatch
+        assert "another document" in e.details(), e.details()
+    else:
+        assert got.answers == want[0].answers
+    fixed = {e.doc_key: e for e in d.entries()}.get(a.doc_key)
+    assert fixed is None or (fixed.slot, fixed.generation) == (a.slot, a.generation)
+    assert "holds another document" in stack.scorers[0].log_text()
+    got = response_from_proto(stub.ScoreQuestions(request_to_proto(reqs[0]), timeout=60), reqs[0])
+    assert got.answers == want[0].answers  # repaired
+    no_pins_left(stack)
