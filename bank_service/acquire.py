@@ -359,8 +359,10 @@ class Acquirer:
 
     def _ensure_epoch(self) -> None:
         """If Redis lost this bank's namespace (restart, flush), start it afresh and re-register
-        every live entry with a protective pin of one lease length: scorers that were reading
-        before the restart keep their state until their pins would have run out."""
+        every live entry, unpinned (issue 27: protective pins of a whole lease kept a full bank
+        from taking new documents for ~30 s). Requests that were reading lost their pins with
+        Redis; an entry evicted under one is caught by the scorer's handle checks, before its row
+        pass and again after it (scorer_service/batcher.py), and retried: never a wrong answer."""
         current = self.directory.epoch()
         if current is not None and current == self._epoch:
             return
@@ -371,8 +373,7 @@ class Acquirer:
         with self._lock:
             live = list(self._live.items())
         for doc_key, entry in live:
-            self.directory.register(doc_key, entry.handle.slot, entry.handle.generation, entry.length,
-                                    pin_lease_s=self.lease_s)
+            self.directory.register(doc_key, entry.handle.slot, entry.handle.generation, entry.length)
         self._epoch = epoch
         self.metrics.directory_resets.inc()
 

@@ -34,7 +34,7 @@ class BankConfig:
     adapter: Path | None = env_field("KEV_ADAPTER", None, flag=False)
     listen: str = env_field("KEV_BANK_LISTEN", "0.0.0.0:50052", flag=False)
     metrics_port: int = env_field("KEV_METRICS_PORT", 9091, flag=False)  # 0 = no metrics server
-    # default pin lease (and the post-restart protective pin)
+    # default pin lease
     lease_seconds: float = env_field("KEV_LEASE_SECONDS", 30.0, flag=False)
     # Environment, the flag of the same name overrides: CUDA graphs (kev/exec/passes.py)
     graph_docs: str = env_field("KEV_GRAPH_DOCS", DEFAULT_DOC_BUCKETS)  # state buckets (DxL) captured at start-up

@@ -25,9 +25,12 @@ pass N into answers and packs N+2. On CPU everything runs in the launch and noth
 A request's rows may be split over several passes (each pass sees a partial `PreparedRequest`
 holding its rows); rows never depend on what else shares their pass (batch-invariant kernels), so
 the answers are the in-process engine's. Rows of a cancelled or failed request are dropped when
-they come up. Before a pass every handle is checked against the mapped bank (`check`), and rows
-whose handle belongs to a replaced attachment are failed with `StaleAttachment` (retried by the
-server): a pass never reads a state that is not its document's.
+they come up. Before a pass every handle is checked against the mapped bank (`check`: generation
+and document fingerprint), and rows whose handle belongs to a replaced attachment are failed with
+`StaleAttachment` (retried by the server): a pass never reads a state that is not its document's.
+After the pass, once its answers are read, the handles are checked again: an entry evicted during
+the pass (possible only after Redis lost the pins) fails its request with `StaleAttachment` instead
+of answering from pages that may have changed.
 """
 
 from __future__ import annotations
@@ -290,12 +293,26 @@ class RowBatcher:
         except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
             self._fail_pass(jobs, e)
             return
+        # Validate after reading (seqlock style): a slot freed during the pass had its generation
+        # bumped before its pages changed, so a handle still live now was read intact. Such an
+        # eviction can only follow a Redis data loss (pins gone); the request retries.
+        current = self.link.current
+        for job in list(jobs):
+            try:
+                if job.lease.attachment is not current:
+                    raise StaleAttachment("the bank was re-attached during the row pass")
+                current.bank.check(job.lease.handle, job.lease.fingerprint)
+            except Exception as e:  # noqa: BLE001 - StaleHandle / WrongDocument / StaleAttachment
+                self._fail(job, e if isinstance(e, StaleAttachment) else
+                           StaleAttachment(f"bank entry changed during the row pass: {e}"))
         end = time.perf_counter()
         self.metrics.row_pass_phase("device_wait", answered - waited)
         self.metrics.row_pass_phase("answers", end - answered)
         seconds = end - launched.start
         self.metrics.row_pass(sum(len(i) for i in jobs.values()), launched.tokens, seconds)
         for job, got in zip(jobs, answers, strict=True):
+            if job.done.is_set():
+                continue  # failed (its handle went during the pass) or cancelled: no answers from it
             job.answers.update(got)
             job.model_ms += seconds * 1000
             if len(job.answers) == len(job.prepared.rows):

@@ -12,9 +12,9 @@ Contract with the bank (the source of truth for memory):
 - Pins are leases: a holder that dies stops renewing, the lease expires (Redis clock, ms) and the
   entry becomes evictable. Holders renew before expiry while they still read the slot.
 - At start-up the bank calls `reset()` (its memory is new) and keeps the returned epoch. If
-  `epoch()` no longer returns it, Redis lost its data: re-register what the bank holds, each with
-  a protective `pin_lease_s` of one lease length (readers of before the restart may still be
-  mid-pass), or free it.
+  `epoch()` no longer returns it, Redis lost its data: re-register what the bank holds, unpinned
+  (readers of before the restart that may still be mid-pass re-check their handles after the
+  pass, scorer_service/batcher.py), or free it.
 
 Every script is safe to retry (redis-py retries on connection errors): lease ids come from the
 client, re-registering the same handle is a no-op, and an eviction returns its first result again.

@@ -21,7 +21,8 @@ from service_support import (  # noqa: F401
 @pytest.fixture(scope="module")
 def stack(checkpoint):
     metrics_port = free_port()
-    with stack_for(checkpoint, scorer_env={"KEV_METRICS_PORT": str(metrics_port)}) as s:
+    # A 1 MiB bank (~30 slots): the Redis test fills it.
+    with stack_for(checkpoint, bank_memory_bytes=1 << 20, scorer_env={"KEV_METRICS_PORT": str(metrics_port)}) as s:
         s.test_metrics_port = metrics_port
         yield s
 
@@ -247,4 +248,48 @@ def test_a_forged_directory_entry_never_answers_from_another_document(stack, stu
     assert "holds another document" in stack.scorers[0].log_text()
     got = response_from_proto(stub.ScoreQuestions(request_to_proto(reqs[0]), timeout=60), reqs[0])
     assert got.answers == want[0].answers  # repaired
+    no_pins_left(stack)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Redis loss
+
+REDIS_RECOVERY_BOUND_S = 1.0
+
+
+def test_new_document_within_a_second_of_redis_coming_back_empty(stack, stub, checkpoint):
+    """The bank full of entries, Redis restarts empty: the bank re-registers them unpinned, so a new
+    document is answered within 1 s of Redis answering again (it used to wait ~30 s for protective
+    pins of a whole lease)."""
+    import time
+
+    from service_support import bank_stats
+
+    docs = make_documents(80, seed=2751)
+    fill = make_requests(80, docs, seed=2752, cycle=True, max_questions=1)
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda r: stub.ScoreQuestions(request_to_proto(r), timeout=60), fill))
+    stats = bank_stats(stack)
+    assert stats.slots_used == stats.slots_total or stats.blocks_used > stats.blocks_total - 8, stats
+    no_pins_left(stack)
+    new = make_requests(1, make_documents(1, seed=2753), seed=2754)[0]
+    want = engine_answers(checkpoint, [new])[0]
+    stack.restart_redis()
+    t0 = time.monotonic()
+    codes = []
+    while True:
+        try:
+            got = response_from_proto(stub.ScoreQuestions(request_to_proto(new), timeout=5), new)
+            break
+        except grpc.RpcError as e:
+            codes.append(e.code().name)
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 10, codes
+            time.sleep(0.02)
+    elapsed = time.monotonic() - t0
+    print(f"new document answered {elapsed:.3f} s after Redis came back empty (errors before: {codes})")
+    assert_same(got, want)
+    assert got.usage.cached_state_tokens == 0
+    assert elapsed < REDIS_RECOVERY_BOUND_S
     no_pins_left(stack)
