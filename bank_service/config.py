@@ -33,6 +33,12 @@ class BankConfig:
     redis_url: str = env_field("KEV_REDIS_URL", flag=False)
     adapter: Path | None = env_field("KEV_ADAPTER", None, flag=False)
     listen: str = env_field("KEV_BANK_LISTEN", "0.0.0.0:50052", flag=False)
+    # TLS and bearer-token auth of this service's gRPC API (kev/serving/security.py); unset: insecure, open.
+    tls_cert: str | None = env_field("KEV_TLS_CERT", None)
+    tls_key: str | None = env_field("KEV_TLS_KEY", None)
+    tls_client_ca: str | None = env_field("KEV_TLS_CLIENT_CA", None)  # set: clients need a certificate it signed (mTLS)
+    auth_token_file: str | None = env_field("KEV_AUTH_TOKEN_FILE", None)  # every call but health: Bearer <token>
+    reflection: str = env_field("KEV_REFLECTION", "on")  # on | off: gRPC server reflection
     metrics_port: int = env_field("KEV_METRICS_PORT", 9091, flag=False)  # 0 = no metrics server
     # default pin lease
     lease_seconds: float = env_field("KEV_LEASE_SECONDS", 30.0, flag=False)
@@ -53,7 +59,7 @@ class BankConfig:
     full_wait_ms: float = 30000.0
     max_pass_tokens: int = 16384  # document tokens per state pass at most (one longer document runs alone)
     max_pass_documents: int = 64
-    max_lease_seconds: float = 3600.0  # longest lease a caller may ask for
+    max_lease_seconds: float = 120.0  # longest lease a caller may ask for (issue 27: was 3600)
     grpc_workers: int = 64  # concurrent RPCs (Acquire blocks while its state pass runs)
     epoch_check_s: float = 1.0  # how often an idle bank checks that Redis still holds its epoch
     shm_dir: Path = Path("/dev/shm")  # where the CPU bank's shared-memory file lives
@@ -62,6 +68,12 @@ class BankConfig:
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("KEV_TLS_CERT and KEV_TLS_KEY go together")
+        if (self.tls_client_ca or self.auth_token_file) and not self.tls_cert:
+            raise ConfigError("KEV_TLS_CLIENT_CA and KEV_AUTH_TOKEN_FILE need TLS (KEV_TLS_CERT, KEV_TLS_KEY)")
+        if self.reflection not in ("on", "off"):
+            raise ConfigError(f"KEV_REFLECTION must be on or off, got {self.reflection!r}")
         if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.memory_bytes <= 0:

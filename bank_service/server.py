@@ -29,6 +29,7 @@ from kev.exec.passes import PassBuilder, Passes
 from kev.request.prompts import Limits
 from kev.serving.errors import InvalidArgument, ServiceError, Unavailable, abort
 from kev.serving.grpc_server import GrpcServer
+from kev.serving.security import ServerSecurity
 from kev.v1 import bank_pb2 as pb
 from kev.v1 import bank_pb2_grpc
 
@@ -136,7 +137,10 @@ class BankService:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         set_switch_interval(cfg.switch_interval_ms)
-        self.server = GrpcServer([SERVICE_NAME], workers=cfg.grpc_workers, thread_name_prefix="bank-rpc")
+        security = ServerSecurity(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca, cfg.auth_token_file)
+        self.server = GrpcServer([SERVICE_NAME], workers=cfg.grpc_workers, thread_name_prefix="bank-rpc",
+                                 reflect=cfg.reflection == "on", credentials=security.credentials(),
+                                 interceptors=security.interceptors())
         bank_pb2_grpc.add_BankServicer_to_server(BankServicer(self), self.server.server)
         self.port = self.server.start(cfg.listen)  # health "" SERVING, kev.v1.Bank NOT_SERVING until ready
         log.info("listening on %s (port %d), instance %s", cfg.listen, self.port, self.instance)

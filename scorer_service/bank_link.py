@@ -47,6 +47,7 @@ from kev.bank.shared import WrongDocument
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.exec.passes import PassBuilder, Passes
+from kev.serving.security import client_channel, read_token
 from kev.v1 import bank_pb2, bank_pb2_grpc
 from scorer_service.config import ScorerConfig
 from kev.serving.errors import DeadlineExceeded, Exhausted, ServiceError, Unavailable
@@ -95,7 +96,8 @@ class BankLink:
             from kev.bank.shared import attach as attach_fn  # the bank engineer's mapping code
         self.config, self.loaded, self.builder, self.metrics = config, loaded, builder, metrics
         self._attach_fn = attach_fn
-        self.channel = grpc.insecure_channel(config.bank_addr)
+        self.channel = client_channel(config.bank_addr, ca=config.bank_tls_ca,
+                                      token=read_token(config.bank_token_file))
         self.stub = bank_pb2_grpc.BankStub(self.channel)
         self.redis = connect(config.redis_url)
         self._lock = threading.Lock()  # guards attach / re-attach

@@ -37,6 +37,14 @@ class ScorerConfig:
     adapter: str | None = _env("KEV_ADAPTER", None)  # must match the bank's
     listen: str = _env("KEV_SCORER_LISTEN", "0.0.0.0:50051")
     bank_addr: str = _env("KEV_BANK_ADDR", "localhost:50052")
+    bank_tls_ca: str | None = _env("KEV_BANK_TLS_CA", None)  # set: the bank is reached over TLS
+    bank_token_file: str | None = _env("KEV_BANK_TOKEN_FILE", None)  # the bank's bearer token (needs TLS)
+    # TLS and bearer-token auth of this service's gRPC API (kev/serving/security.py); unset: insecure, open.
+    tls_cert: str | None = _env("KEV_TLS_CERT", None)
+    tls_key: str | None = _env("KEV_TLS_KEY", None)
+    tls_client_ca: str | None = _env("KEV_TLS_CLIENT_CA", None)  # set: clients need a certificate it signed (mTLS)
+    auth_token_file: str | None = _env("KEV_AUTH_TOKEN_FILE", None)  # every call but health: Bearer <token>
+    reflection: str = _env("KEV_REFLECTION", "on")  # on | off: gRPC server reflection
     max_rows_per_pass: int = _env("KEV_MAX_ROWS_PER_PASS", 96)
     max_tokens_per_pass: int = _env("KEV_MAX_TOKENS_PER_PASS", 8192)
     max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
@@ -70,6 +78,14 @@ class ScorerConfig:
     switch_interval_ms: float = 0.0  # the GIL's (kev/serving/interpreter.py); 0 = CPython's 5 ms
 
     def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("KEV_TLS_CERT and KEV_TLS_KEY go together")
+        if (self.tls_client_ca or self.auth_token_file) and not self.tls_cert:
+            raise ConfigError("KEV_TLS_CLIENT_CA and KEV_AUTH_TOKEN_FILE need TLS (KEV_TLS_CERT, KEV_TLS_KEY)")
+        if self.reflection not in ("on", "off"):
+            raise ConfigError(f"KEV_REFLECTION must be on or off, got {self.reflection!r}")
+        if self.bank_token_file and not self.bank_tls_ca:
+            raise ConfigError("KEV_BANK_TOKEN_FILE needs KEV_BANK_TLS_CA (a token is never sent in clear)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be cpu or cuda[:N], got {self.device!r}")
         for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_questions", "max_request_bytes",

@@ -37,6 +37,7 @@ from kev.request.errors import InvalidRequest
 from kev.request.prompts import render_document, validate_and_build
 from kev.serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
 from kev.serving.grpc_server import GrpcServer
+from kev.serving.security import ServerSecurity
 from kev.v1 import scorer_pb2 as pb
 from kev.rpc import wire
 from scorer_service.admission import TokenizeGate, check_document_size
@@ -208,7 +209,10 @@ def scorer_rpc_handler(score_questions, list_models) -> grpc.GenericRpcHandler:
 def build_server(service: ScorerService) -> GrpcServer:
     """kev.v1.Scorer (NOT_SERVING until `set_serving(True)`), health and reflection; not yet bound."""
     config = service.config
+    security = ServerSecurity(config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_token_file)
     server = GrpcServer([SERVICE], workers=config.grpc_threads, thread_name_prefix="kev-rpc",
+                        reflect=config.reflection == "on", credentials=security.credentials(),
+                        interceptors=security.interceptors(),
                         max_message_bytes=config.transport_max_bytes)
     server.add_handlers([scorer_rpc_handler(service.score_questions, service.list_models)])
     return server

@@ -36,7 +36,9 @@ class GrpcServer:
     """A `grpc.Server` (`.server`) with its health servicer (`.health`) and reflection set up."""
 
     def __init__(self, services: Sequence[str], *, workers: int, thread_name_prefix: str,
-                 max_message_bytes: int | None = None, reflect: bool = True):
+                 max_message_bytes: int | None = None, reflect: bool = True,
+                 credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()):
         self.services = tuple(services)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.health.set("", _SERVING)
@@ -46,8 +48,9 @@ class GrpcServer:
         if max_message_bytes is not None:
             options += [("grpc.max_receive_message_length", max_message_bytes),
                         ("grpc.max_send_message_length", max_message_bytes)]
+        self.credentials = credentials  # TLS (kev/serving/security.py); None: insecure
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
-                                  options=options)
+                                  options=options, interceptors=tuple(interceptors))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflect:
             reflection.enable_server_reflection((*self.services, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
@@ -59,7 +62,8 @@ class GrpcServer:
     def start(self, listen: str) -> int:
         """Bind `listen` (host:port, port 0 for a free one, or unix:PATH) and start; returns the port."""
         try:
-            port = self.server.add_insecure_port(listen)
+            port = self.server.add_insecure_port(listen) if self.credentials is None \
+                else self.server.add_secure_port(listen, self.credentials)
         except RuntimeError as e:  # grpcio raises on a failed bind (older versions returned 0)
             raise ListenError(f"cannot listen on {listen}: {e} (is the port taken?)") from None
         if not port:

@@ -185,12 +185,15 @@ class ServiceProc(Proc):
         super().__init__(name, args, env, log_path)
         self.addr, self.health_service = addr, health_service
         self._channel: grpc.Channel | None = None
+        self.tls_ca: str | None = None  # set: health checks and `channel` use TLS with this CA (PEM path)
 
     @property
     def channel(self) -> grpc.Channel:
         """A channel to the service (closed when it stops; a new one after)."""
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.addr)
+            from kev.serving.security import client_channel
+
+            self._channel = client_channel(self.addr, ca=self.tls_ca)
         return self._channel
 
     def health(self, service: str | None = None, timeout: float = 1.0) -> int:
