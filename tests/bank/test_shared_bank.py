@@ -113,7 +113,7 @@ def test_second_process_reads_and_writes_the_owners_memory(model, shared, tmp_pa
     args = dict(seed=SEED, read_slot=read.slot, read_gen=read.generation, read_len=DOCS["paged"],
                 write_slot=write.slot, write_gen=write.generation, write_len=33,
                 stale_slot=stale.slot, stale_gen=stale.generation)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", MAPPER, str(tmp_path), *(f"{k}={v}" for k, v in args.items())],
                    env=env, check=True, timeout=120)
     result = load_file(str(tmp_path / "mapper.safetensors"))
@@ -210,7 +210,7 @@ def test_cuda_ipc_shared_with_a_second_process(model, tmp_path):
                     write_slot=write.slot, write_gen=write.generation, write_len=33,
                     stale_slot=stale.slot, stale_gen=stale.generation)
         mapper = MAPPER.replace("seed=args[\"seed\"])", "seed=args[\"seed\"]).cuda()")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
         subprocess.run([sys.executable, "-c", mapper, str(tmp_path), *(f"{k}={v}" for k, v in args.items())],
                        env=env, check=True, timeout=300)
         result = load_file(str(tmp_path / "mapper.safetensors"))
