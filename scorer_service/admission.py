@@ -12,8 +12,8 @@ more than 16 characters (long runs of one character) is refused though it might 
 
 Memory budget. Parsing and tokenising hold a multiple of the request's bytes for a moment
 (message, strings, the tokenizer's encodings with offsets and token strings, the id lists):
-`TOKENIZE_BYTES_PER_BYTE` per request byte is the estimate, an upper bound measured on the tiny and
-demo tokenizers. `TokenizeGate` admits requests to that work while their estimates fit in
+`TOKENIZE_BYTES_PER_BYTE` per request byte is the estimate (a rough figure from the encodings'
+per-token fields, not yet measured per tokenizer). `TokenizeGate` admits requests to that work while their estimates fit in
 KEV_TOKENIZE_MEMORY_BYTES (512 MiB) and at most `workers` at once; the others wait (until their
 deadline, then RESOURCE_EXHAUSTED). One request's estimate counts at most 3/4 of the budget, so a
 big request tokenises beside small ones, never two big ones together.
