@@ -214,6 +214,7 @@ def test_fused_projections_keep_parameters():
         model.fuse_projections()
 
 
+@pytest.mark.slow  # ~40 s interpreted; each fused kernel is checked against its reference above, the whole model on the GPU
 def test_fused_model_matches_unfused_and_reference(interp):
     """Whole model: fused projections on interpreted TritonOps (indexed == gathered bit for bit)
     ~= the unfused model on TorchOps; fused on TorchOps ~= unfused on TorchOps."""

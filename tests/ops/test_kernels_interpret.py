@@ -457,6 +457,7 @@ def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
         assert rel_err(a, b) <= 2e-3
 
 
+@pytest.mark.slow  # ~60 s interpreted; the GPU suite checks the joined sweep indexed == gathered bitwise, test_one_sweep.py on torch
 def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_model):
     """Whole model, one sweep (`Passes.sweep`): new documents, then rows over them and
     over a stored one, in one pass over the weights (the joined delta rule, the last layer's

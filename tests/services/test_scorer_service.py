@@ -143,6 +143,7 @@ def test_deadline_and_cancellation_release_pins(served):
     wait_for(lambda: directory(stack).pins_held() == 0, 10, "pins released after cancellations")
 
 
+@pytest.mark.slow  # 30 s of load by design; tests/bench/test_load.py and the chaos test drive load in CI
 def test_64_clients_for_30_seconds(checkpoint):
     """Zero errors, every answer the engine's, no pins left, bank occupancy within its budget.
     ~37 s on the 2-core CPU machine (30 s of load + start-up); not marked `slow` (under 40 s)."""

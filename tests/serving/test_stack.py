@@ -213,7 +213,8 @@ def test_redis_down_and_restarted(checkpoint, corpus):
         assert stack.scorers[0].popen.pid == scorer_pid
 
 
-@pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed"])
+# A stopped bank is the gentler case of a crashed one (same re-attach path): kept for `pytest -m slow`.
+@pytest.mark.parametrize("crash", [pytest.param(False, marks=pytest.mark.slow), True], ids=["stopped", "crashed"])
 def test_bank_restart(checkpoint, corpus, crash):
     requests, want = corpus
     with fault_stack(checkpoint) as stack:
