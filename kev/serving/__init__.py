@@ -7,4 +7,5 @@
     processes.py     local processes: a private redis-server, the bank and scorer services (kev/stack.py
                      and the tests' harness start them through it)
     interpreter.py   CPython in a serving process: the start-up heap frozen out of GC, the GIL switch interval
+    probe.py         `python -m kev.serving.probe`: one gRPC health check (Kubernetes exec probes)
 """

@@ -37,7 +37,11 @@ ENVOY_TYPED_CONFIG_MODULES = (
     "envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2",
     "envoy.extensions.filters.http.router.v3.router_pb2",
     "envoy.extensions.upstreams.http.v3.http_protocol_options_pb2",
+    "envoy.extensions.transport_sockets.tls.v3.tls_pb2",
 )
+TLS_SECRET = "kev-tls"
+TLS_SECRET_TEMPLATE = DEPLOY / "secrets" / "kev-tls.template.yaml"
+PROBE = ["python", "-m", "kev.serving.probe"]
 
 
 # --------------------------------------------------------------------------- tools and renders
@@ -221,8 +225,27 @@ def test_bank_and_scorer_share_one_pod(rendered, overlay):
     assert len(dshm) == 1, "bank has no memory-backed /dev/shm"
     for c in (bank, scorer):
         assert {"name": dshm[0]["name"], "mountPath": "/dev/shm"} in c["volumeMounts"], c["name"]
-    assert _env(scorer)["KEV_BANK_ADDR"]["value"] == "localhost:" + str(
-        next(p["containerPort"] for p in bank["ports"] if p["name"] == "grpc-bank"))
+    # The bank is pod-local: a unix socket on a volume of this pod, which the scorer dials.
+    listen = _env(bank)["KEV_BANK_LISTEN"]["value"]
+    assert listen.startswith("unix:/") and _env(scorer)["KEV_BANK_ADDR"]["value"] == listen
+    socket_dir = listen[len("unix:"):].rsplit("/", 1)[0]
+    (mount,) = [m for m in bank["volumeMounts"] if m["mountPath"] == socket_dir]
+    assert not mount.get("readOnly")
+    assert {"name": mount["name"], "mountPath": socket_dir, "readOnly": True} in scorer["volumeMounts"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert set(volume) == {"name", "emptyDir"}, "the bank's socket must live on a volume of the pod only"
+    assert [p["name"] for p in bank["ports"]] == ["metrics-bank"], "the bank must have no network gRPC port"
+
+
+def _pairs(args: list[str]) -> list[tuple[str, str]]:
+    return list(zip(args[::2], args[1::2]))
+
+
+def _envoy_scorer_endpoint(objs: list[dict]) -> dict:
+    cluster = next(c for c in _envoy_config(objs)["static_resources"]["clusters"] if c["name"] == "kev_scorer")
+    (endpoint,) = [e["endpoint"]["address"]["socket_address"]
+                   for group in cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
+    return endpoint
 
 
 def _proto_services() -> set[str]:
@@ -245,16 +268,27 @@ def test_every_container_has_probes_and_resources(rendered, overlay):
 
     spec = _pod_spec(rendered[overlay])
     services = _proto_services()
+    bank, scorer = _container(spec, "bank"), _container(spec, "scorer")
+    scorer_port = next(p["containerPort"] for p in scorer["ports"] if p["name"] == "grpc")
+    mounts = {m["mountPath"]: m["name"] for m in scorer["volumeMounts"]}
+    ca = _env(scorer)["KEV_TLS_CERT"]["value"].rsplit("/", 1)[0] + "/ca.crt"
+    assert ca.rsplit("/", 1)[0] in mounts
+    envoy_name = _envoy_scorer_endpoint(rendered[overlay])["address"]
+    # Exec probes (kev/serving/probe.py): the kubelet's gRPC probe reaches neither the bank's unix
+    # socket nor a TLS-only scorer.
+    targets = {"bank": [_env(bank)["KEV_BANK_LISTEN"]["value"]],
+               "scorer": [f"127.0.0.1:{scorer_port}", "--tls-ca", ca, "--server-name", envoy_name]}
     for name, service in (("bank", "kev.v1.Bank"), ("scorer", "kev.v1.Scorer")):
         c = _container(spec, name)
-        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"].startswith("grpc"))
         assert service in services, f"{service} is not a service in proto/"
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == grpc_port, f"{name} {probe} is not a gRPC probe on its port"
         # Ready means this service is warmed up; live means the process answers at all.
-        assert c["startupProbe"]["grpc"]["service"] == service
-        assert c["readinessProbe"]["grpc"]["service"] == service
-        assert c["livenessProbe"]["grpc"].get("service", "") == ""
+        for probe, wants in (("startupProbe", ["--service", service]), ("readinessProbe", ["--service", service]),
+                             ("livenessProbe", [])):
+            command = c[probe]["exec"]["command"]
+            assert command[:3] == PROBE, f"{name} {probe}: {command}"
+            args = command[3:]
+            assert sorted(_pairs(args[1:])) == sorted(_pairs(targets[name][1:] + wants)), f"{name} {probe}: {args}"
+            assert args[0] == targets[name][0], f"{name} {probe}: {args}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -395,11 +429,11 @@ def _admitted_peers(objs: list[dict], target_labels: dict, port: int) -> list[di
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_network_policy_lets_only_scorers_reach_bank_and_redis(rendered, overlay):
+def test_network_policy_bank_unreachable_redis_from_serving_only(rendered, overlay):
     objs = rendered[overlay]
     pods = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"] for w in _workloads(objs)}
     serving_spec = _pod_spec(objs)
-    bank_port = next(p["containerPort"] for p in _container(serving_spec, "bank")["ports"] if p["name"] == "grpc-bank")
+    bank = _container(serving_spec, "bank")
     scorer_port = next(p["containerPort"] for p in _container(serving_spec, "scorer")["ports"] if p["name"] == "grpc")
     redis_port = _pod_spec(objs, "kev-redis", "StatefulSet")["containers"][0]["ports"][0]["containerPort"]
 
@@ -412,7 +446,16 @@ def test_network_policy_lets_only_scorers_reach_bank_and_redis(rendered, overlay
             reached = {name for name, labels in pods.items() if _selects(peer["podSelector"], labels)}
             assert reached == {allowed}, f"{target}:{port} admits pods of {sorted(reached)}"
 
-    only_from(SERVING, bank_port, SERVING)  # the bank: scorers only
+    # The bank: no network gRPC port (a pod-local unix socket), so neither a Service nor a policy
+    # may name one; its metrics port is open to the monitoring namespace only.
+    bank_ports = {p["name"]: p["containerPort"] for p in bank["ports"]}
+    assert set(bank_ports) == {"metrics-bank"}
+    for service in _all(objs, "Service"):
+        for port in service["spec"]["ports"]:
+            assert port.get("targetPort") not in ("grpc-bank", 50052), f"Service {service['metadata']['name']}"
+    assert _admitted_peers(objs, pods[SERVING], 50052) == [], "a policy admits traffic to the old bank port"
+    for peer in _admitted_peers(objs, pods[SERVING], bank_ports["metrics-bank"]):
+        assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}, peer
     only_from("kev-redis", redis_port, SERVING)  # Redis: scorers (and their banks) only
     only_from(SERVING, scorer_port, "kev-envoy")  # the scorer API: through the hash ring only
 
@@ -463,7 +506,8 @@ def test_envoy_hashes_on_the_document_key(rendered, overlay):
     scorer = _container(spec, "scorer")
     assert endpoint["port_value"] == next(p["containerPort"] for p in scorer["ports"] if p["name"] == "grpc")
     (check,) = cluster["health_checks"]
-    assert check["grpc_health_check"]["service_name"] == scorer["readinessProbe"]["grpc"]["service"]
+    readiness = scorer["readinessProbe"]["exec"]["command"]
+    assert check["grpc_health_check"]["service_name"] == readiness[readiness.index("--service") + 1]
 
 
 # --------------------------------------------------------------------------- settings and images
@@ -527,3 +571,90 @@ def test_dockerfiles_pin_every_package():
             assert torch == f"{torch_pin}+cpu"
         else:
             assert re.fullmatch(r"\d+\.\d+\.\d+\+cu\d+", torch)
+
+
+# --------------------------------------------------------------------------- TLS, token, reflection
+
+
+def _secret_volume(spec: dict, container: dict, mount_dir: str) -> dict:
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == mount_dir]
+    assert mount.get("readOnly") is True, f"{container['name']}: {mount_dir} must be read-only"
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    return volume["secret"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tls_and_token_from_the_secret(rendered, overlay):
+    """The scorer serves TLS with the token from the Secret kev-tls; Envoy terminates clients' TLS
+    with the same certificate and dials the scorers over TLS, checking the name the probes check."""
+    objs = rendered[overlay]
+    spec = _pod_spec(objs)
+    scorer = _container(spec, "scorer")
+    env = _env(scorer)
+    files = {k: env[k]["value"] for k in ("KEV_TLS_CERT", "KEV_TLS_KEY", "KEV_AUTH_TOKEN_FILE")}
+    mount_dir = files["KEV_TLS_CERT"].rsplit("/", 1)[0]
+    secret = _secret_volume(spec, scorer, mount_dir)
+    assert secret["secretName"] == TLS_SECRET and secret["defaultMode"] == 0o440
+    paths = {i["path"]: i["key"] for i in secret["items"]}
+    for name, path in files.items():
+        assert path.startswith(mount_dir + "/") and path[len(mount_dir) + 1:] in paths, name
+    assert [paths[files[k][len(mount_dir) + 1:]] for k in ("KEV_TLS_CERT", "KEV_TLS_KEY", "KEV_AUTH_TOKEN_FILE")] \
+        == ["tls.crt", "tls.key", "token"]
+    assert "KEV_TLS_CLIENT_CA" not in env  # Envoy presents no client certificate
+
+    envoy_spec = _pod_spec(objs, "kev-envoy")
+    envoy_c = envoy_spec["containers"][0]
+    config = _envoy_config(objs)
+    listener = next(li for li in config["static_resources"]["listeners"] if li["name"] == "grpc")
+    (chain,) = listener["filter_chains"]
+    down = chain["transport_socket"]["typed_config"]
+    assert down["@type"].endswith("tls.v3.DownstreamTlsContext")
+    (pair,) = down["common_tls_context"]["tls_certificates"]
+    cert, key = pair["certificate_chain"]["filename"], pair["private_key"]["filename"]
+    envoy_dir = cert.rsplit("/", 1)[0]
+    envoy_secret = _secret_volume(envoy_spec, envoy_c, envoy_dir)
+    assert envoy_secret["secretName"] == TLS_SECRET
+    envoy_paths = {i["path"]: i["key"] for i in envoy_secret["items"]}
+    assert "token" not in envoy_paths.values(), "Envoy has no use for the API token"
+    assert envoy_paths[cert.rsplit("/", 1)[1]] == "tls.crt" and envoy_paths[key.rsplit("/", 1)[1]] == "tls.key"
+    assert envoy_spec["securityContext"]["fsGroup"] == envoy_spec["securityContext"]["runAsGroup"]
+
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "kev_scorer")
+    up = cluster["transport_socket"]["typed_config"]
+    assert up["@type"].endswith("tls.v3.UpstreamTlsContext")
+    name = _envoy_scorer_endpoint(objs)["address"]
+    assert up["sni"] == name
+    validation = up["common_tls_context"]["validation_context"]
+    assert envoy_paths[validation["trusted_ca"]["filename"].rsplit("/", 1)[1]] == "ca.crt"
+    assert validation["match_typed_subject_alt_names"] == [{"san_type": "DNS", "matcher": {"exact": name}}]
+
+
+def test_tls_secret_template_has_the_mounted_keys_and_no_key_material(rendered):
+    import kubernetes_validate
+
+    (template,) = [d for d in yaml.safe_load_all(TLS_SECRET_TEMPLATE.read_text()) if d]
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(template, version, strict=True)
+    assert template["metadata"]["name"] == TLS_SECRET
+    data = template["stringData"]
+    assert all(v.startswith("REPLACE") and "-----BEGIN" not in v for v in data.values()), "no key material"
+    for overlay, objs in rendered.items():
+        spec = _pod_spec(objs)
+        mounted = {i["key"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == TLS_SECRET
+                   for i in v["secret"]["items"]}
+        assert mounted == set(data), overlay
+        assert not [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == TLS_SECRET], \
+            "kustomize must not render the TLS Secret (the operator creates it)"
+    assert f"kubectl -n kev create secret generic {TLS_SECRET}" in (DEPLOY / "README.md").read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_reflection_and_metrics_set_explicitly(rendered, overlay):
+    spec = _pod_spec(rendered[overlay])
+    for name, metrics_port in (("bank", "metrics-bank"), ("scorer", "metrics")):
+        c = _container(spec, name)
+        env = _env(c)
+        want = "on" if (overlay == "dev" and name == "scorer") else "off"
+        assert env["KEV_REFLECTION"]["value"] == want, name
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == metrics_port)
+        assert env["KEV_METRICS_PORT"]["value"] == str(port), name
