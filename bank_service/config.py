@@ -1,8 +1,8 @@
 """The bank service's settings: one frozen object, built once at start-up and passed down.
 
 Environment (docs/settings.md): KEV_CHECKPOINT, KEV_ADAPTER, KEV_DEVICE, KEV_BANK_LISTEN,
-KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_LEASE_SECONDS, and the CUDA
-settings KEV_GRAPH_DOCS, KEV_MAX_GRAPHS and KEV_WARM_CLASSES (their flags, --graph-docs, --max-graphs and
+KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_METRICS_ADDR, KEV_LEASE_SECONDS,
+the TLS settings, and the CUDA settings KEV_GRAPH_DOCS, KEV_MAX_GRAPHS and KEV_WARM_CLASSES (their flags, --graph-docs, --max-graphs and
 --warm-classes, override).
 Tuning knobs that deployments rarely change are command-line flags (`python -m bank_service
 --help`). Nothing else in the service reads the environment; the loading, the flags and the logged
@@ -40,6 +40,7 @@ class BankConfig:
     auth_token_file: str | None = env_field("KEV_AUTH_TOKEN_FILE", None)  # every call but health: Bearer <token>
     reflection: str = env_field("KEV_REFLECTION", "on")  # on | off: gRPC server reflection
     metrics_port: int = env_field("KEV_METRICS_PORT", 9091, flag=False)  # 0 = no metrics server
+    metrics_addr: str = env_field("KEV_METRICS_ADDR", "0.0.0.0", flag=False)  # the address it binds
     # default pin lease
     lease_seconds: float = env_field("KEV_LEASE_SECONDS", 30.0, flag=False)
     # Environment, the flag of the same name overrides: CUDA graphs (kev/exec/passes.py)

@@ -44,6 +44,6 @@ class BankMetrics:
                                         "Times the directory lost its data and the bank re-registered", registry=r)
         self.queue_depth = Gauge("kev_bank_queue_depth", "New documents waiting for a state pass", registry=r)
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         if port:
-            start_http_server(port, registry=self.registry)
+            start_http_server(port, addr=addr, registry=self.registry)

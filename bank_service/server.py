@@ -181,7 +181,7 @@ class BankService:
                 log.warning("directory unavailable at start-up, retrying: %s", e)
                 if stop.wait(1.0):
                     return False
-        self.metrics.serve(cfg.metrics_port)
+        self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
         self.ready.set()
         self.server.set_serving(True)

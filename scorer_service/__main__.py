@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 2
     log.info("listening on %s", config.listen)
-    metrics.serve(config.metrics_port, link.refresh_occupancy)
+    metrics.serve(config.metrics_port, link.refresh_occupancy, addr=config.metrics_addr)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

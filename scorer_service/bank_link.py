@@ -97,7 +97,8 @@ class BankLink:
         self.config, self.loaded, self.builder, self.metrics = config, loaded, builder, metrics
         self._attach_fn = attach_fn
         self.channel = client_channel(config.bank_addr, ca=config.bank_tls_ca,
-                                      token=read_token(config.bank_token_file))
+                                      token=read_token(config.bank_token_file),
+                                      cert=config.bank_tls_cert, key=config.bank_tls_key)
         self.stub = bank_pb2_grpc.BankStub(self.channel)
         self.redis = connect(config.redis_url)
         self._lock = threading.Lock()  # guards attach / re-attach

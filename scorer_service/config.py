@@ -39,6 +39,9 @@ class ScorerConfig:
     bank_addr: str = _env("KEV_BANK_ADDR", "localhost:50052")
     bank_tls_ca: str | None = _env("KEV_BANK_TLS_CA", None)  # set: the bank is reached over TLS
     bank_token_file: str | None = _env("KEV_BANK_TOKEN_FILE", None)  # the bank's bearer token (needs TLS)
+    # The scorer's client certificate to a bank that requires one (its KEV_TLS_CLIENT_CA, mTLS).
+    bank_tls_cert: str | None = _env("KEV_BANK_TLS_CERT", None)
+    bank_tls_key: str | None = _env("KEV_BANK_TLS_KEY", None)
     # TLS and bearer-token auth of this service's gRPC API (kev/serving/security.py); unset: insecure, open.
     tls_cert: str | None = _env("KEV_TLS_CERT", None)
     tls_key: str | None = _env("KEV_TLS_KEY", None)
@@ -57,6 +60,7 @@ class ScorerConfig:
     # A request without a deadline gets this budget (seconds), never an instant failure (issue 27).
     default_deadline_s: float = _env("KEV_DEFAULT_DEADLINE_S", 60.0)
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
+    metrics_addr: str = _env("KEV_METRICS_ADDR", "0.0.0.0")  # the address the metrics endpoint binds
     lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
     # CUDA only (kev/exec/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
     graph_rows: str = _env("KEV_GRAPH_ROWS", DEFAULT_ROW_BUCKETS)
@@ -86,6 +90,10 @@ class ScorerConfig:
             raise ConfigError(f"KEV_REFLECTION must be on or off, got {self.reflection!r}")
         if self.bank_token_file and not self.bank_tls_ca:
             raise ConfigError("KEV_BANK_TOKEN_FILE needs KEV_BANK_TLS_CA (a token is never sent in clear)")
+        if bool(self.bank_tls_cert) != bool(self.bank_tls_key):
+            raise ConfigError("KEV_BANK_TLS_CERT and KEV_BANK_TLS_KEY go together")
+        if self.bank_tls_cert and not self.bank_tls_ca:
+            raise ConfigError("KEV_BANK_TLS_CERT needs KEV_BANK_TLS_CA (a client certificate is a TLS thing)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be cpu or cuda[:N], got {self.device!r}")
         for name in ("max_rows_per_pass", "max_tokens_per_pass", "max_queue", "max_questions", "max_request_bytes",

@@ -114,12 +114,13 @@ class ScorerMetrics:
         self.bank_occupancy.labels(resource="slots").set(slots_used / max(slots_total, 1))
         self.bank_occupancy.labels(resource="blocks").set(blocks_used / max(blocks_total, 1))
 
-    def serve(self, port: int, poll_stats: Callable[[], None] | None = None, every_s: float = 5.0) -> None:
-        """Starts the HTTP endpoint (port 0: none) and a thread refreshing the bank occupancy."""
+    def serve(self, port: int, poll_stats: Callable[[], None] | None = None, every_s: float = 5.0,
+              addr: str = "0.0.0.0") -> None:
+        """Starts the HTTP endpoint on `addr` (port 0: none) and a thread refreshing the bank occupancy."""
         if port == 0:
             return
-        start_http_server(port, registry=self.registry)
-        log.info("metrics on :%d/metrics", port)
+        start_http_server(port, addr=addr, registry=self.registry)
+        log.info("metrics on %s:%d/metrics", addr, port)
         if poll_stats is not None:
             self._poller = threading.Thread(target=self._poll, args=(poll_stats, every_s), name="kev-stats",
                                             daemon=True)
