@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kev.exec.plan import DEFAULT_DOC_BUCKETS, GraphPlan
 from kev.serving import settings
-from kev.serving.settings import ConfigError, env_field, flag_field
+from kev.serving.settings import ConfigError, check_server_security, env_field, flag_field
 
 __all__ = ["BankConfig", "ConfigError"]
 
@@ -69,12 +69,7 @@ class BankConfig:
     grace_s: float = 5.0  # drain time for in-flight RPCs at shutdown
 
     def __post_init__(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("KEV_TLS_CERT and KEV_TLS_KEY go together")
-        if (self.tls_client_ca or self.auth_token_file) and not self.tls_cert:
-            raise ConfigError("KEV_TLS_CLIENT_CA and KEV_AUTH_TOKEN_FILE need TLS (KEV_TLS_CERT, KEV_TLS_KEY)")
-        if self.reflection not in ("on", "off"):
-            raise ConfigError(f"KEV_REFLECTION must be on or off, got {self.reflection!r}")
+        check_server_security(self)
         if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise ConfigError(f"KEV_DEVICE must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.memory_bytes <= 0:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kev.exec.plan import DEFAULT_ROW_BUCKETS, GraphPlan
 from kev.request.prompts import Limits
 from kev.serving import settings
-from kev.serving.settings import ConfigError, env_field as _env
+from kev.serving.settings import ConfigError, check_server_security, env_field as _env
 
 __all__ = ["ConfigError", "ScorerConfig", "TRANSPORT_LIMIT_FACTOR"]
 
@@ -82,12 +82,7 @@ class ScorerConfig:
     switch_interval_ms: float = 0.0  # the GIL's (kev/serving/interpreter.py); 0 = CPython's 5 ms
 
     def __post_init__(self) -> None:
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("KEV_TLS_CERT and KEV_TLS_KEY go together")
-        if (self.tls_client_ca or self.auth_token_file) and not self.tls_cert:
-            raise ConfigError("KEV_TLS_CLIENT_CA and KEV_AUTH_TOKEN_FILE need TLS (KEV_TLS_CERT, KEV_TLS_KEY)")
-        if self.reflection not in ("on", "off"):
-            raise ConfigError(f"KEV_REFLECTION must be on or off, got {self.reflection!r}")
+        check_server_security(self)
         if self.bank_token_file and not self.bank_tls_ca:
             raise ConfigError("KEV_BANK_TOKEN_FILE needs KEV_BANK_TLS_CA (a token is never sent in clear)")
         if bool(self.bank_tls_cert) != bool(self.bank_tls_key):

@@ -136,6 +136,17 @@ def log_settings(log: logging.Logger, config: Any) -> None:
     log.info("config %s", json.dumps(config.redacted(), sort_keys=True, default=str))
 
 
+def check_server_security(config: Any) -> None:
+    """The checks both services make of their own server's TLS, token and reflection settings
+    (fields `tls_cert`, `tls_key`, `tls_client_ca`, `auth_token_file`, `reflection`)."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("KEV_TLS_CERT and KEV_TLS_KEY go together")
+    if (config.tls_client_ca or config.auth_token_file) and not config.tls_cert:
+        raise ConfigError("KEV_TLS_CLIENT_CA and KEV_AUTH_TOKEN_FILE need TLS (KEV_TLS_CERT, KEV_TLS_KEY)")
+    if config.reflection not in ("on", "off"):
+        raise ConfigError(f"KEV_REFLECTION must be on or off, got {config.reflection!r}")
+
+
 def graph_plan(*, max_graphs: int, warm_classes: str, graph_rows: str | None = None, graph_docs: str | None = None,
                max_rows_per_pass: int | None = None) -> GraphPlan:
     """What a service captures on CUDA (kev/exec/plan.py) from its graph settings: row buckets
