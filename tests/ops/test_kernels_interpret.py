@@ -436,6 +436,7 @@ def tiny_model():
     return random_model(tiny_config(hv_per_h=2), seed=3)
 
 
+@pytest.mark.slow  # ~40 s interpreted; every kernel above is checked alone, the whole model bit for bit on the GPU
 def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
     """Whole model, rows continuing stored documents: Triton indexed == gathered bit for bit, ~= torch.
     Strided pools, repeated read slots, a long document state-passed in chunks carried in its slot."""

@@ -48,9 +48,10 @@ DOWN_S = 0.5  # how long a killed process stays down before its replacement is s
 # Per fault, from its end to the first successful new-document answer. The bank and scorer figures
 # include the replacement's start-up: ~10 s of imports (torch, fla) on 2 busy cores, up to ~18 s
 # with another test run beside; once it reports SERVING the first new document must follow within
-# AFTER_SERVING_BOUND_S (measured ~0.05 s).
+# AFTER_SERVING_BOUND_S: measured ~0.05 s alone, 3.4 s once in a full CI run after a bank restart
+# (the scorer notices the new bank instance, re-attaches, and its clients' channels reconnect).
 RECOVERY_BOUND_S = {"bank_sigkill": 40.0, "scorer_sigkill": 40.0, "redis_restart_empty": 2.0}
-AFTER_SERVING_BOUND_S = 2.0
+AFTER_SERVING_BOUND_S = 6.0
 # Short reconnect backoff: after a restart the client's channel tries again within 0.2 s
 # (gRPC's default starts at 1 s and grows), so the recovery figure measures the stack, not the client.
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
@@ -234,6 +235,7 @@ def test_chaos_bank_scorer_redis_faults_under_load(checkpoint):
     errors = Counter({c: n for c, n in load.codes.items() if c != "OK"})
     probe_errors = Counter({c: n for c, n in prober.codes.items() if c != "OK"})
     figures = {
+        "commit": _commit(),
         "test": "tests/services/test_chaos.py::test_chaos_bank_scorer_redis_faults_under_load",
         "setup": {"clients": CLIENTS, "corpus_documents": 40, "bank_memory_bytes": 1 << 20, "lease_seconds": LEASE_S,
                   "steady_s_between_faults": STEADY_S, "down_s_per_process_fault": DOWN_S,
@@ -273,3 +275,14 @@ def test_chaos_bank_scorer_redis_faults_under_load(checkpoint):
     for fault, seconds in recovery.items():
         assert seconds < RECOVERY_BOUND_S[fault], (fault, seconds)
         assert seconds - serving.get(fault, 0.0) < AFTER_SERVING_BOUND_S, (fault, seconds, serving)
+
+
+def _commit() -> str:
+    """The commit the run measured (KEV_COMMIT, else git's HEAD), as every results JSON records it."""
+    if os.environ.get("KEV_COMMIT"):
+        return os.environ["KEV_COMMIT"]
+    import subprocess
+
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    return git.stdout.strip() or "unknown"

@@ -101,6 +101,7 @@ def test_stack_without_redis_server_says_so(checkpoint, monkeypatch, tmp_path):
 # faults
 
 
+@pytest.mark.slow  # ~30 s; the chaos test's SIGKILLed scorer and pins back at 0 run in CI
 def test_long_request_renews_and_killed_scorer_lease_expires(checkpoint, corpus):
     requests, want = corpus
     with fault_stack(checkpoint) as stack:
@@ -183,6 +184,7 @@ def _expect_unavailable(stack: Stack, request, *phrases: str) -> None:
     assert any(p in err.value.details() for p in phrases), err.value.details()
 
 
+@pytest.mark.slow  # ~18 s; test_chaos.py and test_hardening.py restart Redis in CI
 def test_redis_down_and_restarted(checkpoint, corpus):
     requests, want = corpus
     with fault_stack(checkpoint) as stack:
@@ -213,8 +215,8 @@ def test_redis_down_and_restarted(checkpoint, corpus):
         assert stack.scorers[0].popen.pid == scorer_pid
 
 
-# A stopped bank is the gentler case of a crashed one (same re-attach path): kept for `pytest -m slow`.
-@pytest.mark.parametrize("crash", [pytest.param(False, marks=pytest.mark.slow), True], ids=["stopped", "crashed"])
+@pytest.mark.slow  # ~35 s each; tests/services/test_chaos.py restarts a SIGKILLed bank under load in CI
+@pytest.mark.parametrize("crash", [False, True], ids=["stopped", "crashed"])
 def test_bank_restart(checkpoint, corpus, crash):
     requests, want = corpus
     with fault_stack(checkpoint) as stack:
