@@ -27,7 +27,8 @@ def inputs(cfg, T, g):
 
 
 @pytest.mark.parametrize("kind,lens,L,cap", [
-    (PassKind.ROWS, [65, 100, 3], 128, 4),  # two chunks per row, two padding rows
+    # rows: `pytest -m slow` (~15 s); the GPU suite checks row-bucket padding exact in every token-mixing kernel
+    pytest.param(PassKind.ROWS, [65, 100, 3], 128, 4, marks=pytest.mark.slow),  # two chunks per row, two padding rows
     (PassKind.STATE, [48, 30], 64, 4),  # two empty documents, padding sequences, no-op chunks
     # a document filling its pair (empty padding sequence), one past a chunk, one short: every kind
     # of spare entry in the filled chunk lists (kev.exec.static_pass.pair_chunks)
