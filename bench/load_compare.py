@@ -74,7 +74,8 @@ from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_min_rows, bas
 from bench.load_report import report, sample_answers, write_quietly
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 from bench.random_checkpoint import write_random_checkpoint
-from kev.stack import REPO_ROOT, Proc, Stack, free_port
+from kev.serving.processes import REPO_ROOT, Proc, free_port
+from kev.stack import Stack
 
 SYSTEMS = ("kev", "gathered", "baseline")
 START_TIMEOUT_S = 900.0  # Kev-4B: 8 GB of weights per process, then warm-up and autotune

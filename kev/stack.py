@@ -46,11 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from kev.serving.processes import (REPO_ROOT, Proc, RedisProc, ServiceProc, StackError, bank_proc, free_port,
-                                   scorer_proc)
+from kev.serving.processes import RedisProc, ServiceProc, StackError, bank_proc, free_port, scorer_proc
 
-__all__ = ["REPO_ROOT", "LogFollower", "ProgressPrinter", "Proc", "Stack", "StackError", "free_port", "main",
-           "parse_size"]
+__all__ = ["LogFollower", "ProgressPrinter", "Stack", "main", "parse_size"]
 
 START_TIMEOUT_S = 120.0
 CUDA_START_TIMEOUT_S = 900.0  # the command line's default on CUDA: weights, class warm-up, graph captures

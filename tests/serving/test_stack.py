@@ -20,7 +20,8 @@ import pytest
 from kev.request import api
 from kev.rpc import cli
 from kev.bank.doc_key import document_key
-from kev.stack import Stack, StackError
+from kev.serving.processes import StackError
+from kev.stack import Stack
 from kev.v1 import scorer_pb2_grpc
 from kev.rpc.wire import request_to_proto
 from service_support import (  # noqa: F401
