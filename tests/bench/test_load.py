@@ -21,7 +21,8 @@ import torch
 
 from kev.request import api
 from kev.request.prompts import validate_and_build
-from kev.stack import Stack, free_port
+from kev.serving.processes import free_port
+from kev.stack import Stack
 from kev.v1 import scorer_pb2 as pb
 from kev.rpc.wire import response_from_proto
 from service_support import engine_answers
