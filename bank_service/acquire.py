@@ -5,7 +5,9 @@
           v
     pending[doc_key]: a job per distinct document; concurrent Acquires of one document join it
           |
-    worker thread: drains the queue (waits up to max_wait for more; on CUDA a pass that fits a
+    worker thread: takes what is queued at once (it waits for each pass, so it is free only when
+    its device is idle: documents that arrive during a pass share the next one, and a document
+    that finds the bank idle waits for no window; on CUDA a pass that fits a
     graph bucket takes no document that would make it fit none), allocates a slot per new
     document (evicting LRU unpinned entries when full; with every entry pinned the document goes
     back to the queue's front and is retried every SPACE_RETRY_S until full_wait after its arrival,
@@ -52,6 +54,9 @@ class Acquirer:
         self.passes, self.bank, self.directory, self.metrics = passes, bank, directory, metrics
         self.model_id = directory.model_id
         self.lease_s = lease_s
+        # The cap of a wait for companions while a state pass is in flight (--max-wait-ms). This
+        # worker waits for each pass before it takes the next batch, so it is never busy when it
+        # takes one and never waits (continuous batching, issue 26; docs/decisions.md, "Bank").
         self.max_wait_s = max_wait_s
         self.full_wait_s = full_wait_s
         self.max_pass_tokens = max_pass_tokens
@@ -189,25 +194,19 @@ class Acquirer:
                     self._fail(job, Internal(f"bank worker error: {e}"))
 
     def _take_batch(self) -> list[Job]:
-        """Called with _cv held: waits up to max_wait after the oldest arrival, then takes jobs
-        up to the pass caps (always at least one, however long)."""
-        deadline = self._queue[0].enqueued + self.max_wait_s
-        while not self._stopping and len(self._queue) < self.max_pass_documents \
-                and sum(len(j.tokens) for j in self._queue) < self.max_pass_tokens:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._cv.wait(remaining)
+        """Called with _cv held: the next pass's jobs, taken at once (no pass is in flight when the
+        worker comes here, so waiting for companions would only add latency), up to the pass caps
+        (always at least one, however long)."""
         batch = [self._queue.popleft()]
-        tokens = longest = len(batch[0].tokens)
+        tokens = len(batch[0].tokens)
         while self._queue and len(batch) < self.max_pass_documents \
                 and tokens + len(self._queue[0].tokens) <= self.max_pass_tokens:
-            grown = max(longest, len(self._queue[0].tokens))
-            if self.passes.state_bucketed(len(batch), longest) and not self.passes.state_bucketed(len(batch) + 1, grown):
-                break  # the next document would push a bucketed pass off the CUDA graphs (docs/decisions.md)
+            lens = [len(j.tokens) for j in batch]
+            if self.passes.state_keyed(lens) and not self.passes.state_keyed(lens + [len(self._queue[0].tokens)]):
+                break  # the next document would push a graphed pass off the CUDA graphs (docs/decisions.md)
             job = self._queue.popleft()
             batch.append(job)
-            tokens, longest = tokens + len(job.tokens), grown
+            tokens += len(job.tokens)
         self.metrics.queue_depth.set(len(self._queue))
         return batch
 

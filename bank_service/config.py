@@ -2,8 +2,8 @@
 
 Environment (docs/settings.md): KEV_CHECKPOINT, KEV_ADAPTER, KEV_DEVICE, KEV_BANK_LISTEN,
 KEV_BANK_MEMORY_BYTES, KEV_REDIS_URL, KEV_METRICS_PORT (0 = off), KEV_METRICS_ADDR, KEV_LEASE_SECONDS,
-the TLS settings, and the CUDA settings KEV_GRAPH_DOCS, KEV_MAX_GRAPHS and KEV_WARM_CLASSES (their flags, --graph-docs, --max-graphs and
---warm-classes, override).
+the TLS settings, and the CUDA settings KEV_CUDA_GRAPHS and KEV_WARM_CLASSES (their flags,
+--cuda-graphs and --warm-classes, override).
 Tuning knobs that deployments rarely change are command-line flags (`python -m bank_service
 --help`). Nothing else in the service reads the environment; the loading, the flags and the logged
 form are kev/serving/settings.py's, the fields and their checks are here.
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kev.exec.plan import DEFAULT_DOC_BUCKETS, GraphPlan
+from kev.exec.plan import GraphPlan
 from kev.serving import settings
 from kev.serving.settings import ConfigError, check_server_security, env_field, flag_field
 
@@ -44,8 +44,8 @@ class BankConfig:
     # default pin lease
     lease_seconds: float = env_field("KEV_LEASE_SECONDS", 30.0, flag=False)
     # Environment, the flag of the same name overrides: CUDA graphs (kev/exec/passes.py)
-    graph_docs: str = env_field("KEV_GRAPH_DOCS", DEFAULT_DOC_BUCKETS)  # state buckets (DxL) captured at start-up
-    max_graphs: int = env_field("KEV_MAX_GRAPHS", 24)  # CUDA graphs kept (LRU); 0: none
+    # every state pass up to the pass caps below runs as a CUDA graph, all captured at start-up; 0: none
+    cuda_graphs: bool = env_field("KEV_CUDA_GRAPHS", True)
     warm_classes: str = env_field("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up ("all", "none", a list)
     # Flags
     node: str = ""  # directory namespace of this bank; default (from_env): the host name
@@ -53,7 +53,9 @@ class BankConfig:
     block_size: int = 64  # tokens per paged K/V block
     avg_doc_tokens: int = 1024  # how memory_bytes is split between slots and K/V pages
     max_document_tokens: int = 65536  # longest document Acquire takes (including <state>)
-    max_wait_ms: float = 2.0  # longest a new document waits for others to share its state pass
+    # cap of a new document's wait for companions while a state pass is in flight; the worker waits
+    # for each pass, so it never does: an idle bank passes a document at once (docs/settings.md)
+    max_wait_ms: float = 2.0
     # longest a new document waits for space while every entry is pinned (their requests finish and
     # release them), counted from its arrival; then RESOURCE_EXHAUSTED. 0: refused at once. The
     # default lease's length: a pin its crashed holder never releases expires within the wait.
@@ -106,8 +108,8 @@ class BankConfig:
     @property
     def graph_plan(self) -> GraphPlan:
         """What the state passes capture on CUDA (ignored on CPU)."""
-        return settings.graph_plan(graph_docs=self.graph_docs, max_graphs=self.max_graphs,
-                                   warm_classes=self.warm_classes)
+        return settings.graph_plan(cuda_graphs=self.cuda_graphs, warm_classes=self.warm_classes,
+                                   state_tokens=self.max_pass_tokens, state_seqs=self.max_pass_documents)
 
     def redacted(self) -> dict:
         """Every field for the start-up log, with the Redis password masked."""

@@ -26,6 +26,7 @@ from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
 from kev.exec.plan import PassRole
 from kev.exec.passes import PassBuilder, Passes
+from kev.serving.graph_metrics import GraphCollector
 from kev.request.prompts import Limits
 from kev.serving.errors import InvalidArgument, ServiceError, Unavailable, abort
 from kev.serving.grpc_server import GrpcServer
@@ -159,7 +160,7 @@ class BankService:
             shm_dir=cfg.shm_dir)
         bank = self.shared.bank
         ops = get_ops(cfg.ops_backend)
-        # On CUDA: class-tuned, warmed, start-up state buckets captured (kev/exec/passes.py); on CPU a Passes.
+        # On CUDA: class-tuned, warmed, every state-pass key captured (kev/exec/passes.py); on CPU a Passes.
         passes = PassBuilder(loaded.model, ops, PassRole.STATES, cfg.graph_plan).build(bank)
         self._warm_up(passes, bank)
         st = bank.stats()
@@ -168,6 +169,7 @@ class BankService:
                  st.blocks_total, cfg.block_size, st.bytes_total, self.shared.segment_paths or "CUDA IPC")
 
         self.metrics = BankMetrics(bank.stats)
+        self.metrics.registry.register(GraphCollector("kev_bank", lambda: passes.graphs.stats if passes.graphs else None))
         self.directory = Directory(connect(cfg.redis_url), self.model_id, cfg.node)
         self.acquirer = Acquirer(passes, bank, self.directory, self.metrics, lease_s=cfg.lease_seconds,
                                  max_wait_s=cfg.max_wait_ms / 1000, full_wait_s=cfg.full_wait_ms / 1000,

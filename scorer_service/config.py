@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kev.exec.plan import DEFAULT_ROW_BUCKETS, GraphPlan
+from kev.exec.plan import GraphPlan
 from kev.request.prompts import Limits
 from kev.serving import settings
 from kev.serving.settings import ConfigError, check_server_security, env_field as _env
@@ -50,6 +50,7 @@ class ScorerConfig:
     reflection: str = _env("KEV_REFLECTION", "on")  # on | off: gRPC server reflection
     max_rows_per_pass: int = _env("KEV_MAX_ROWS_PER_PASS", 96)
     max_tokens_per_pass: int = _env("KEV_MAX_TOKENS_PER_PASS", 8192)
+    # cap of a row's wait for companions while a row pass is on the device; idle: no wait (batcher.py)
     max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
     max_questions: int = _env("KEV_MAX_QUESTIONS", 10000)  # per request; more is INVALID_ARGUMENT
@@ -63,8 +64,8 @@ class ScorerConfig:
     metrics_addr: str = _env("KEV_METRICS_ADDR", "0.0.0.0")  # the address the metrics endpoint binds
     lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
     # CUDA only (kev/exec/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
-    graph_rows: str = _env("KEV_GRAPH_ROWS", DEFAULT_ROW_BUCKETS)
-    max_graphs: int = _env("KEV_MAX_GRAPHS", 32)  # CUDA graphs kept (LRU); 0: none
+    # every row pass up to the pass caps above runs as a CUDA graph, all captured at start-up; 0: none
+    cuda_graphs: bool = _env("KEV_CUDA_GRAPHS", True)
     warm_classes: str = _env("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up: all, none or a list
     # Row-pass kernels: unset = torch on CPU, triton (bank-indexed) on GPU; "gathered" is the
     # gathered-state baseline (kev/ops/gathered_ops.py) that bench/load_compare.py serves side by side.
@@ -119,8 +120,8 @@ class ScorerConfig:
     @property
     def graph_plan(self) -> GraphPlan:
         """What the row passes capture on CUDA (ignored on CPU)."""
-        return settings.graph_plan(graph_rows=self.graph_rows, max_graphs=self.max_graphs,
-                                   warm_classes=self.warm_classes, max_rows_per_pass=self.max_rows_per_pass)
+        return settings.graph_plan(cuda_graphs=self.cuda_graphs, warm_classes=self.warm_classes,
+                                   row_tokens=self.max_tokens_per_pass, row_seqs=self.max_rows_per_pass)
 
     @property
     def document_limit(self) -> int:

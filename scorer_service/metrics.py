@@ -21,13 +21,8 @@
                                                         slot (fingerprint mismatch; dropped, never answered from)
     kev_scorer_lease_renewals_total{result}  counter    lease renewals: ok / expired (the pin was gone: its entry
                                                         could be evicted under the request) / failed (no Redis)
-    kev_scorer_graph_passes_total{path}      counter    row passes by path (CUDA only): replay (a CUDA graph),
-                                                        eager_bucketed (a bucket without a graph yet),
-                                                        unbucketed (fits no bucket: plain class-tuned pass)
-    kev_scorer_graph_captures_total          counter    CUDA graphs captured (start-up and when idle)
-    kev_scorer_graph_row_tokens_total        counter    real row tokens of bucketed row passes (CUDA only)
-    kev_scorer_graph_padding_tokens_total    counter    padding tokens those buckets added (padding share =
-                                                        padding / (padding + row tokens))
+    kev_scorer_graph_*                       counter    CUDA-graph passes by path, captures, real and
+                                                        padding tokens (kev/serving/graph_metrics.py)
 
 A private registry per instance keeps two scorers in one test process apart.
 """
@@ -39,7 +34,8 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+
+from kev.serving.graph_metrics import GraphCollector
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +104,7 @@ class ScorerMetrics:
     def watch_graphs(self, stats: Callable[[], object | None]) -> None:
         """Export the process's CUDA-graph counters (`kev.exec.graphs.GraphStats`, read at scrape time;
         None on CPU: nothing exported). The passes count them; nothing here touches a pass."""
-        self.registry.register(_GraphCollector(stats))
+        self.registry.register(GraphCollector("kev_scorer", stats))
 
     def set_occupancy(self, slots_used: int, slots_total: int, blocks_used: int, blocks_total: int) -> None:
         self.bank_occupancy.labels(resource="slots").set(slots_used / max(slots_total, 1))
@@ -135,29 +131,3 @@ class ScorerMetrics:
 
     def close(self) -> None:
         self._stop.set()
-
-
-class _GraphCollector:
-    """Counters read from the process's `GraphStats` when Prometheus scrapes."""
-
-    PATHS = (("replay", "replays"), ("eager_bucketed", "eager_bucketed"), ("unbucketed", "unbucketed"))
-
-    def __init__(self, stats: Callable[[], object | None]):
-        self.stats = stats
-
-    def describe(self):
-        return []  # unchecked at registration: the names are only known here
-
-    def collect(self):
-        s = self.stats()
-        if s is None:
-            return
-        passes = CounterMetricFamily("kev_scorer_graph_passes", "Row passes by CUDA-graph path", labels=["path"])
-        for label, attr in self.PATHS:
-            passes.add_metric([label], getattr(s, attr))
-        yield passes
-        yield CounterMetricFamily("kev_scorer_graph_captures", "CUDA graphs captured", value=s.captures)
-        yield CounterMetricFamily("kev_scorer_graph_row_tokens", "Real row tokens of bucketed row passes",
-                                  value=getattr(s, "row_tokens", 0))
-        yield CounterMetricFamily("kev_scorer_graph_padding_tokens", "Padding tokens of bucketed row passes",
-                                  value=getattr(s, "padding_tokens", 0))

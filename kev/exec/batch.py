@@ -35,7 +35,7 @@ class RowBatch:
     @property
     def shape_class(self) -> ShapeClass:
         """The autotune class, from host ints (shapes): no device read."""
-        return classify(self.slots.shape[0], self.tokens.shape[0])
+        return classify(self.tokens.shape[0], rows=True)
 
     @classmethod
     def build(cls, rows: Sequence[Sequence[int]], handles: Sequence[BankHandle], doc_lens: Sequence[int],

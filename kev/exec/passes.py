@@ -5,23 +5,25 @@
     passes.sweep(documents, handles, batch)     # both in one sweep over the weights
 
 Each call picks how it runs, inside (as nano-vllm's `ModelRunner.run_model` does):
-- with a `GraphCache` (CUDA, the indexed TritonOps): a pass that fits a bucket is padded into the
-  bucket's static buffers and replayed from its CUDA graph, or run eagerly in the same padded shape
-  until the graph exists (same kernels, same autotune class: the answer never depends on which);
-- otherwise, or when it fits no bucket, eagerly on the packed tensors (`_eager_*` below).
+- with a `GraphCache` (CUDA, the indexed TritonOps): a pass within the ladders' caps is packed into
+  its key's static buffers (padded only in total tokens and chunk entries) and replayed from its
+  CUDA graph, or run eagerly in the same padded shape while the graph does not exist (same kernels,
+  same autotune class: the answer never depends on which);
+- otherwise, or beyond the caps, eagerly on the packed tensors (`_eager_*` below).
 Every eager pass runs under its shape class's autotune caches when the process has a `ClassTuner`.
 
 State passes read long documents in chunks of `state_chunk_tokens` whose state rides in the
-document's own slot; a sweep takes new documents of at most one chunk and the rows that may read
+document's own slot (each chunk pass keyed like any other); a sweep takes new documents of at most one chunk and the rows that may read
 them, documents first inside every layer (`PhasedMeta`).
 
 `PassBuilder` is made once per process. On CUDA with TritonOps it owns the process's `ClassTuner`,
 warms every class its role uses once (`kev.exec.warm_up`), and gives each `Passes` a graph cache
-with the plan's start-up buckets captured (or queued for `capture_when_idle` on a re-attach: the
-thread that re-attaches serves a request and must not capture while the row worker runs a pass).
+with every key of its role's ladders captured (or, on a re-attach, queued: the thread that
+re-attaches serves a request and must not capture while the row worker runs a pass; each queued
+key is then captured at its first use, or by `capture_when_idle`).
 
     builder = PassBuilder(model, ops, PassRole.ROWS, GraphPlan(...))   # once per process
-    passes = builder.build(bank)                    # start-up: warm, capture the start-up buckets
+    passes = builder.build(bank)                    # start-up: warm, capture every key
     passes = builder.build(new_bank, capture=False) # re-attach: queue them instead
     if queue_empty and passes.idle_work: passes.capture_when_idle()
 """
@@ -38,10 +40,10 @@ import torch
 
 from kev.bank.bank import Bank, BankHandle
 from kev.exec.batch import RowBatch
-from kev.exec.graphs import Buckets, CapturePolicy, GraphCache, GraphStats, largest_first
+from kev.exec.graphs import CapturePolicy, GraphCache, GraphStats, KeyLadder
 from kev.exec.memory import state_pass_peak_bytes
 from kev.exec.plan import GraphPlan, PassRole
-from kev.exec.static_pass import GraphKey
+from kev.exec.static_pass import GraphKey, PassKind
 from kev.exec.transfer import host_int64, to_device
 from kev.exec.warm_up import warm_up
 from kev.model.qwen35 import Qwen35Model
@@ -78,11 +80,20 @@ class Passes:
         """Write each document's final states into its (already allocated) slot, in place."""
         for h in handles:
             self.bank.check(h)
-        key = self._state_key(documents)
-        if key is not None:
-            return self.graphs.run_state(self, key, documents, handles)
-        self._count_unbucketed()
-        self._eager_state(documents, handles)
+        done = 0
+        longest = max((len(d) for d in documents), default=0)
+        while done < longest:
+            # Every document still going contributes its next chunk; the state rides in its slot.
+            live = [i for i, d in enumerate(documents) if len(d) > done]
+            chunks = [documents[i][done : done + self.state_chunk_tokens] for i in live]
+            slots = [handles[i].slot for i in live]
+            key = self.graphs.state_key([len(c) for c in chunks]) if self.graphs is not None else None
+            if key is not None:
+                self.graphs.run_state(self, key, chunks, slots, [done] * len(chunks))
+            else:
+                self._count_unbucketed()
+                self._eager_chunk(chunks, slots, done)
+            done += self.state_chunk_tokens
 
     @torch.no_grad()
     def row_pass(self, batch: RowBatch) -> torch.Tensor:
@@ -124,12 +135,14 @@ class Passes:
 
     # ---- graphs --------------------------------------------------------------------------------
 
-    def state_bucketed(self, num_docs: int, max_len: int) -> bool | None:
-        """Whether a state pass of `num_docs` new documents, the longest `max_len` tokens, runs in a
-        CUDA-graph bucket (padded static shapes, a graph once captured); None: no graphs here."""
-        if self.graphs is None:
+    def state_keyed(self, lens: Sequence[int]) -> bool | None:
+        """Whether a state pass of new documents of `lens` tokens runs in CUDA-graph keys (every
+        chunk pass of it within the ladder's caps); None: no graphs here."""
+        if self.graphs is None or self.graphs.states is None:
             return None
-        return self.graphs.state_bucket(num_docs, max_len, self.state_chunk_tokens) is not None
+        chunk = self.state_chunk_tokens
+        return all(self.graphs.state_key([min(n - done, chunk) for n in lens if n > done]) is not None
+                   for done in range(0, max(lens, default=0), chunk))
 
     @property
     def idle_work(self) -> bool:
@@ -143,12 +156,10 @@ class Passes:
         return self.graphs.capture_pending(self, limit) if self.graphs is not None else 0
 
     def _state_key(self, documents: Sequence[Sequence[int]]) -> GraphKey | None:
-        if self.graphs is None:
-            return None
         lens = [len(d) for d in documents]
-        if not lens or min(lens) == 0:
+        if self.graphs is None or not lens or min(lens) == 0:
             return None
-        return self.graphs.state_bucket(len(lens), max(lens), self.state_chunk_tokens)
+        return self.graphs.state_key(lens)
 
     def _count_unbucketed(self) -> None:
         if self.graphs is not None:
@@ -172,31 +183,24 @@ class Passes:
     def row_meta(self, batch: RowBatch) -> PassMeta:
         return PassMeta(cu_seqlens=batch.cu_seqlens, read_slots=batch.slots,
                         write_slots=torch.full_like(batch.slots, -1), prefix_lens=batch.doc_lens,
-                        block_table=self.bank.block_table[batch.slots], positions=batch.positions)
+                        block_table=self.bank.block_table[batch.slots], positions=batch.positions,
+                        shape_class=batch.shape_class)
 
     def _eager_rows(self, batch: RowBatch) -> torch.Tensor:
         with self.tuned(batch.shape_class):
             return self.model(batch.tokens, self.row_meta(batch), self.bank.pools, self.ops, picks=batch.picks)
 
-    def _eager_state(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
-        done = 0
-        longest = max((len(d) for d in documents), default=0)
-        while done < longest:
-            # Every document still going contributes its next chunk; the state rides in its slot.
-            live = [i for i, d in enumerate(documents) if len(d) > done]
-            chunks = [documents[i][done : done + self.state_chunk_tokens] for i in live]
-            tokens, meta = self._chunk_pass([handles[i].slot for i in live], chunks, done)
-            with self.tuned(classify(len(chunks), tokens.shape[0])):
-                self.model(tokens, meta, self.bank.pools, self.ops,
-                           picks=torch.zeros(0, dtype=torch.int64, device=self.device))
-            done += self.state_chunk_tokens
+    def _eager_chunk(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], done: int) -> None:
+        tokens, meta = self._chunk_pass(slots, chunks, done)
+        with self.tuned(meta.shape_class):
+            self.model(tokens, meta, self.bank.pools, self.ops, picks=torch.zeros(0, dtype=torch.int64, device=self.device))
 
     def _eager_sweep(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
                      batch: RowBatch) -> torch.Tensor:
         doc_tokens, doc_meta = self._chunk_pass([h.slot for h in handles], documents, 0)
         Td = doc_tokens.shape[0]
         meta = PhasedMeta((doc_meta, self.row_meta(batch)), (Td, batch.tokens.shape[0]))
-        with self.tuned(classify(len(documents), Td)):
+        with self.tuned(doc_meta.shape_class):
             return self.model(torch.cat([doc_tokens, batch.tokens]), meta, self.bank.pools, self.ops,
                               picks=batch.picks + Td, mixer_scope=self.phase_scope)
 
@@ -212,7 +216,8 @@ class Passes:
         tokens, cu_t, slot_t, positions = block.split([len(p) for p in parts])
         meta = PassMeta(cu_seqlens=cu_t, read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1),
                         write_slots=slot_t, prefix_lens=torch.full_like(slot_t, done),
-                        block_table=self.bank.block_table[slot_t], positions=positions)
+                        block_table=self.bank.block_table[slot_t], positions=positions,
+                        shape_class=classify(sum(lens), rows=False))
         return tokens, meta
 
     def state_pass_peak_bytes(self, doc_lens: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> int:
@@ -239,17 +244,16 @@ class PassBuilder:
 
     @property
     def warm_classes(self) -> list[ShapeClass]:
-        """The plan's `warm` when set (ShapeClass order, once each). Else by role: a scorer's passes
-        are row-like (the row buckets stop at 128 tokens a row); the bank's and the engine's state
-        passes reach every class."""
+        """The plan's `warm` when set; else the classes of this role's graph keys (ShapeClass
+        order, once each). With CUDA graphs off, the classes those keys would have."""
         if self.plan.warm is not None:
             return [c for c in ShapeClass if c in self.plan.warm]
-        return [c for c in ShapeClass if c.rows] if self.role is PassRole.ROWS else list(ShapeClass)
+        used = {k.shape_class for ladder in self.ladders() if ladder is not None for k in ladder.keys()}
+        return [c for c in ShapeClass if c in used]
 
     def build(self, bank, *, capture: bool = True) -> Passes:
         """Passes against `bank` (a `Bank` or an attached view). On CUDA with TritonOps: warm the
-        classes (first build only), then capture the start-up buckets now (`capture`) or queue them
-        for `capture_when_idle`."""
+        classes (first build only), then capture every key now (`capture`) or queue them."""
         if bank.block_table.device.type != "cuda" or not _indexed(self.ops):
             if bank.block_table.device.type == "cuda":
                 log.info("%s ops on CUDA: no class tuning and no CUDA graphs", self.ops.name)
@@ -263,47 +267,31 @@ class PassBuilder:
                 self.warmed, self._warm_done = warm_up(passes, self.warm_classes), True
                 log.info("autotune classes %s warmed in %.1f s", [c.value for c in self.warmed],
                          time.perf_counter() - start)
-            if self.plan.max_graphs == 0:
+            if not self.plan.cuda_graphs:
                 return passes
-            graphs = GraphCache(policy=CapturePolicy.WHEN_IDLE, max_graphs=self.plan.max_graphs,
-                                stats=self.graph_stats)
+            graphs = GraphCache(*self.ladders(), stats=self.graph_stats)
             passes = passes.with_graphs(graphs)
-            keys = self.start_keys(graphs.buckets)
+            keys = graphs.all_keys()
             if capture:
                 start = time.perf_counter()
-                keys = largest_first(keys)
-                log.info("start-up: graphs captured 0/%d", len(keys))
-                for k, key in enumerate(keys, 1):  # one at a time: a start-up progress line each
+                log.info("start-up: capturing %d CUDA graphs", len(keys))
+                for k, key in enumerate(keys, 1):
                     graphs.capture(passes, [key])
-                    log.info("start-up: graphs captured %d/%d (%s)", k, len(keys), key)
-                log.info("captured %d CUDA graphs in %.1f s: %s", len(keys), time.perf_counter() - start,
-                         [str(k) for k in keys])
+                    if k % 25 == 0 or k == len(keys):  # a start-up progress line now and then
+                        log.info("start-up: graphs captured %d/%d (%.1f s)", k, len(keys), time.perf_counter() - start)
+                log.info("captured %d CUDA graphs in %.1f s (largest %s)", len(keys), time.perf_counter() - start,
+                         keys[0] if keys else None)
             else:
                 graphs.queue(keys)
-                log.info("queued %d CUDA graphs for capture when idle", len(keys))
+                log.info("queued %d CUDA graphs: each is captured at its first use or when idle", len(keys))
             return passes
 
-    def start_keys(self, buckets: Buckets) -> list[GraphKey]:
-        """The plan's buckets for this role, as graph keys (each at most once, in plan order)."""
-        plan, keys = self.plan, []
-        widest = None if plan.max_rows_per_pass is None else buckets.row_key(plan.max_rows_per_pass, 1, 1)
-        if self.role.rows:
-            for R, L, P in plan.rows:
-                key = buckets.row_key(R, L, P)
-                if key is None:
-                    raise ValueError(f"row bucket {R}x{L}x{P} is beyond the graph buckets {buckets}")
-                if widest is None or key.seqs <= widest.seqs:
-                    keys.append(key)
-        if self.role.states:
-            for D, L in plan.docs:
-                key = buckets.state_key(D, L)
-                if key is None or L > self.state_chunk_tokens:
-                    raise ValueError(f"document bucket {D}x{L} is beyond the graph buckets {buckets}")
-                keys.append(key)
-        keys = list(dict.fromkeys(keys))
-        if len(keys) > plan.max_graphs:
-            raise ValueError(f"{len(keys)} start-up graphs but at most {plan.max_graphs} are kept")
-        return keys
+    def ladders(self) -> tuple[KeyLadder | None, KeyLadder | None]:
+        """(rows, states): the key ladders of this role, from the plan's per-pass caps."""
+        plan = self.plan
+        rows = KeyLadder(PassKind.ROWS, plan.row_tokens, plan.row_seqs) if self.role.rows else None
+        states = KeyLadder(PassKind.STATE, plan.state_tokens, plan.state_seqs) if self.role.states else None
+        return rows, states
 
 
 def _indexed(ops: Ops) -> bool:

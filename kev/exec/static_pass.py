@@ -1,58 +1,80 @@
-"""Static-shape passes for CUDA graphs: one bucket's index buffers, and the layouts that pad a
-real pass into them without changing any real sequence's result.
+"""Static-shape passes for CUDA graphs: one key's index buffers, and the fill that packs a real
+pass into them without changing any real sequence's result.
 
-A bucket (`GraphKey`) fixes R sequences of at most L tokens (R x L tokens in all) and a picks
-capacity. Every index tensor a pass reads (tokens, positions, cu_seqlens, slots, prefix lengths,
-block table, picks) is a slice of buffers allocated once here; the chunk lists the kernels need
-are static too and pinned into `TritonOps` (`pin`), so nothing is derived from a buffer that
-changes between replays and nothing syncs with the host.
+A key (`GraphKey`) fixes T tokens and C chunk-list entries (chunks of CHUNK tokens; C sequences
+too). A pass is packed as it is: its n sequences end to end, no padding between them (the eager
+layout, `RowBatch` / `Passes._chunk_pass`). Then sequences n .. C-2 are empty and sequence C-1 is
+the padding sequence, tokens [T_real, T), which reads nothing and writes nowhere. The pass fits
+when T_real <= T, n < C and its chunks plus the padding sequence's are at most C (`chunks_needed`).
 
-Two layouts (`PassKind`):
-- ROWS: row n sits at tokens [n L, n L + len_n) and is padded at its end to L tokens; rows
-  n >= N are whole padding rows that read nothing (slot -1, prefix 0). `cu_seqlens` is static
-  (n L). The kernels are causal, so tokens after a row's last real token do not change its real
-  tokens (the chunk-local solves and the attention tiles only ever combine a real row with later
-  rows through exact zeros); picks only read real positions; rows never write the bank.
-- STATE: documents are written to the bank, so none may be padded: pair n is document n
-  (tokens [n L, n L + len_n)) followed by its own padding sequence up to (n + 1) L that writes
-  nothing; pairs n >= D hold an empty document and a padding sequence. The chunk lists are
-  filled with the documents (`pair_chunks`): a document's chunks and its padding sequence's
-  together are ceil(L / block) + 1 at most, so each pair gets that many entries, the spare one
-  a chunk past a sequence's end (a no-op in every kernel: all its rows masked). A static
-  superset (every sequence counted at L tokens) had twice the chunks of a one-document bucket,
-  and fla's per-chunk kernels compute a no-op chunk in full: ~0.75 ms of a five-long sweep.
+The chunk lists are filled with each pass (`packed_chunks`): the real sequences' chunks, then the
+padding sequence's, then no-op entries (chunks past the padding sequence's end: every kernel masks
+all their rows; paged attention walks no keys for them). Entry positions equal the offsets plus
+the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them. Every index tensor a pass
+reads (tokens, positions, cu_seqlens, slots, prefix lengths, block table, picks, chunk lists) is a
+slice of one device block allocated once here and refilled by one host-built copy, so nothing is
+derived from a buffer that changes between replays and nothing syncs with the host.
 
-Real results are bit-identical between a graph replay and an eager run of the same bucket (same
+Real results are bit-identical between a graph replay and an eager run of the same key (same
 kernels, same shapes, same autotune class). Against an eager pass of the unpadded batch, the
-token-mixing kernels agree exactly; the GEMMs and norms see another row count M and may pick
-other cuBLAS / reduction kernels (measured on the GPU: tests/exec/test_graphs_gpu.py).
+token-mixing kernels agree exactly (a sequence's chunks start at its own first token wherever it
+sits); the GEMMs and norms see another row count M and may pick other cuBLAS / reduction kernels
+(measured on the GPU: tests/exec/test_graphs_gpu.py).
 """
 
 from __future__ import annotations
 
 import enum
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kev.ops.shapes import ShapeClass, classify
-from kev.ops.meta import PassMeta
 from kev.exec.transfer import copy_in, host_int64
+from kev.ops.meta import PassMeta
+from kev.ops.shapes import ShapeClass, classify
 
 CHUNK = 64  # the conv / delta-rule chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
 
 
 class PassKind(enum.Enum):
-    ROWS = "rows"
-    STATE = "state"
+    ROWS = "rows"  # question rows: read their document's slot, write nothing, return hidden states at picks
+    STATE = "state"  # documents (or their next chunks): write their slots, return nothing
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    kind: PassKind
+    tokens: int  # T: tokens of the padded pass
+    chunks: int  # C: chunk-list entries (CHUNK tokens each), and sequences (real ones < C)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences in the padded pass: real, empty, and the padding sequence last."""
+        return self.chunks
+
+    @property
+    def picks(self) -> int:
+        """Picks capacity: every token of a row pass may be one; none for a state pass."""
+        return self.tokens if self.kind is PassKind.ROWS else 0
+
+    @property
+    def shape_class(self) -> ShapeClass:
+        """The key's autotune class; a graph and its eager warm-up both use it."""
+        return classify(self.tokens, rows=self.kind is PassKind.ROWS)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.tokens}t/{self.chunks}c"
 
 
 @dataclass(frozen=True)
 class SweepKey:
-    """A bucket of one sweep over the weights (`Passes.sweep`): new documents in a
-    STATE bucket's layout, then rows in a ROWS bucket's, packed back to back."""
+    """One sweep over the weights (`Passes.sweep`): new documents in a STATE key's layout, then
+    rows in a ROWS key's, packed back to back."""
 
     state: GraphKey
     rows: GraphKey
@@ -62,91 +84,50 @@ class SweepKey:
         """The documents' class (the token-wise work); each phase's mixers run in their own."""
         return self.state.shape_class
 
-
-# The picks capacity every row bucket holds at least, a row: <decide> and four </opt>
-# (`Buckets.row_key`; a start-up bucket written RxL).
-PICKS_PER_ROW = 5
+    def __str__(self) -> str:
+        return f"sweep({self.state}, {self.rows})"
 
 
-@dataclass(frozen=True)
-class GraphKey:
-    kind: PassKind
-    seqs: int  # R: real sequences at most
-    seq_len: int  # L: tokens per sequence at most
-    picks: int = 0  # picks capacity (rows)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seqs * self.seq_len
-
-    @property
-    def num_slots(self) -> int:
-        """Sequences in the padded pass (a document and its padding sequence are two)."""
-        return self.seqs if self.kind is PassKind.ROWS else 2 * self.seqs
-
-    @property
-    def shape_class(self) -> ShapeClass:
-        """The bucket's autotune class; a graph and its eager fallback both use it."""
-        return classify(self.seqs, self.num_tokens)
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def static_chunks(num_seqs: int, seq_len: int, block: int, device) -> torch.Tensor:
-    """[num_seqs * ceil(L / block), 2] (sequence, chunk) pairs: every sequence counted at L tokens."""
-    per = -(-seq_len // block)
-    n = torch.arange(num_seqs, dtype=torch.int64, device=device).repeat_interleave(per)
-    t = torch.arange(per, dtype=torch.int64, device=device).repeat(num_seqs)
-    return torch.stack([n, t], 1)
+def chunks_needed(lens: Sequence[int], tokens: int, block: int = CHUNK) -> int:
+    """Chunk-list entries of sequences of `lens` padded to `tokens` by one padding sequence."""
+    return sum(cdiv(n, block) for n in lens) + cdiv(tokens - sum(lens), block)
 
 
-def pair_chunks(lens: Sequence[int], seq_len: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The STATE layout's chunk list and chunk offsets for documents of `lens` tokens (R ints, 0 for
-    an empty pair) in a bucket of L = `seq_len` tokens a pair: ([R * (nb + 1), 2] (sequence, chunk)
-    pairs, [2R + 1] each sequence's first entry), host int64, nb = ceil(L / block).
-
-    Pair n holds entries [n (nb + 1), (n + 1)(nb + 1)): the document's a = ceil(len / block)
-    chunks, its padding sequence's b = ceil((L - len) / block), and, when a + b = nb, one no-op:
-    the document's chunk a (past its end, inside the pair) or, for a document that fills every
-    block (then b = 0), the empty padding sequence's chunk 0. Entry positions equal the offsets
-    plus the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them. Python ints into an
-    array buffer: it runs on the host in front of every new document's graph, where a dozen small
-    torch ops took ~0.25 ms."""
-    nb = -(-seq_len // block)
-    per = nb + 1
-    chunks, offsets = array("q"), array("q")
-    for n, ln in enumerate(int(x) for x in lens):
-        a, b = -(-ln // block), -(-(seq_len - ln) // block)
-        doc, pad = 2 * n, 2 * n + 1
-        chunks.extend(v for t in range(a) for v in (doc, t))
-        chunks.extend(v for t in range(b) for v in (pad, t))
-        if a + b < per:
-            chunks.extend((doc, a) if a < nb else (pad, b))
-        offsets.extend((n * per, n * per + a))
-    offsets.append(len(offsets) // 2 * per)
-    return torch.frombuffer(chunks, dtype=torch.int64).view(-1, 2), torch.frombuffer(offsets, dtype=torch.int64)
+def packed_chunks(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk list ([entries, 2] (sequence, chunk)) and chunk offsets ([slots + 1]) of sequences
+    of `lens` tokens, then empty sequences, then the padding sequence (index slots - 1) up to
+    `tokens`, whose entries run on past its end to fill `entries` (no-ops). Host int64, a few
+    tensor ops: it runs in front of every replay."""
+    seq_lens = torch.zeros(slots, dtype=torch.int64)
+    seq_lens[: len(lens)] = torch.tensor(list(lens), dtype=torch.int64)
+    per = (seq_lens + block - 1) // block
+    used = int(per.sum())
+    need = cdiv(tokens - sum(lens), block)
+    if used + need > entries:
+        raise ValueError(f"{len(lens)} sequences of {sum(lens)} tokens in {tokens} need more than {entries} entries")
+    per[-1] = entries - used  # the padding sequence's chunks, then the no-ops
+    offsets = torch.zeros(slots + 1, dtype=torch.int64)
+    torch.cumsum(per, 0, out=offsets[1:])
+    seq = torch.repeat_interleave(torch.arange(slots), per, output_size=entries)
+    return torch.stack([seq, torch.arange(entries) - offsets[seq]], 1), offsets
 
 
 class StaticPass:
-    """One bucket's buffers, its `PassMeta`, and the fills from a real pass."""
+    """One key's buffers, its `PassMeta`, and the fills from a real pass."""
 
     def __init__(self, key: GraphKey, table_width: int, attn_block: int, device):
         self.key = key
-        N, T, L, P = key.num_slots, key.num_tokens, key.seq_len, key.picks
+        N, T, P = key.num_slots, key.num_tokens, key.picks
         self.attn_block = attn_block
-        # The chunk lists: static for ROWS (every row counted at L), filled with the documents for
-        # STATE (`pair_chunks`; the template holds empty pairs).
-        if key.kind is PassKind.ROWS:
-            chunks, offsets = static_chunks(N, L, CHUNK, "cpu"), torch.arange(N + 1) * -(-L // CHUNK)
-            attn_chunks = static_chunks(N, L, attn_block, "cpu")
-        else:
-            empty = [0] * key.seqs
-            chunks, offsets = pair_chunks(empty, L, CHUNK)
-            attn_chunks, _ = pair_chunks(empty, L, attn_block)
-        # Every int64 index buffer is a view of one block, so a fill is one host-built block and
-        # one copy (a new five-long request's fills were ~20 small device ops in front of its graph).
-        self._sizes = (T, T, N + 1, N, N, N, P, chunks.numel(), N + 1, attn_chunks.numel())
-        self._template = torch.cat([torch.zeros(2 * T, dtype=torch.int64), torch.arange(N + 1) * L,
-                                    torch.full((2 * N,), -1), torch.zeros(N + P, dtype=torch.int64),
-                                    chunks.view(-1), offsets, attn_chunks.view(-1)])
+        # Attention's query blocks divide CHUNK, so a sequence's blocks are at most CHUNK / block per chunk.
+        self.attn_entries = key.chunks * (CHUNK // attn_block)
+        self._sizes = (T, T, N + 1, N, N, N, P, 2 * key.chunks, N + 1, 2 * self.attn_entries)
+        self._template = self._host_template()
         self._ints = self._template.to(device)
         (self.tokens, self.positions, self.cu_seqlens, self.write_slots, self.read_slots, self.prefix_lens,
          self.picks, chunks, self.chunk_offsets, attn_chunks) = self._ints.split(self._sizes)
@@ -154,7 +135,14 @@ class StaticPass:
         self.block_table = torch.zeros((N, table_width), dtype=torch.int32, device=device)
         self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
                              prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions,
-                             shape_class=key.shape_class)  # a STATE bucket's N counts padding sequences
+                             shape_class=key.shape_class)
+
+    def _host_template(self) -> torch.Tensor:
+        """The block of an empty pass: every token in the padding sequence."""
+        key = self.key
+        block = torch.zeros(sum(self._sizes), dtype=torch.int64)
+        self._fill_host(block, [], [], [], [], [], [])
+        return block
 
     def indices(self):
         """The static `PassIndices` to pin into `TritonOps` for `self.meta`."""
@@ -162,72 +150,89 @@ class StaticPass:
 
         return PassIndices(chunks=self.chunks, chunk_offsets=self.chunk_offsets, attn_chunks=dict(self.attn_chunks))
 
-    def _host_block(self) -> tuple[torch.Tensor, ...]:
-        """A fresh host copy of the index block (padding values in place) and its fields' views:
-        tokens, positions, cu_seqlens, write_slots, read_slots, prefix_lens, picks, chunks,
-        chunk_offsets, attention chunks."""
-        host = self._template.clone()
-        return (host, *host.split(self._sizes))
+    def fits(self, lens: Sequence[int]) -> bool:
+        key = self.key
+        return sum(lens) <= key.tokens and len(lens) < key.chunks and chunks_needed(lens, key.tokens) <= key.chunks
+
+    def _fill_host(self, block: torch.Tensor, lens: Sequence[int], tokens, positions, read, write, prefix,
+                   picks=None) -> None:
+        """Write one pass into a host `block` laid out as the device one (`_sizes`)."""
+        key = self.key
+        T, N, Tr = key.num_tokens, key.num_slots, sum(lens)
+        (h_tokens, h_positions, h_cu, h_write, h_read, h_prefix, h_picks, h_chunks, h_offsets,
+         h_attn) = block.split(self._sizes)
+        n = len(lens)
+        if n:
+            h_tokens[:Tr] = tokens
+            h_positions[:Tr] = positions
+        h_tokens[Tr:] = 0
+        h_positions[Tr:] = torch.arange(T - Tr)  # the padding sequence's own positions
+        cu = [0]
+        for ln in lens:
+            cu.append(cu[-1] + ln)
+        h_cu[: n + 1] = torch.tensor(cu)
+        h_cu[n + 1 : N] = Tr  # empty sequences, then the padding sequence's start
+        h_cu[N] = T
+        for dst, src in ((h_read, read), (h_write, write), (h_prefix, prefix)):
+            dst.fill_(0 if dst is h_prefix else -1)
+            if n:
+                dst[:n] = src
+        if key.picks:
+            h_picks.zero_()  # padding picks read token 0 (a real position, its output dropped)
+            if picks is not None and len(picks):
+                h_picks[: len(picks)] = picks
+        c, o = packed_chunks(lens, T, N, CHUNK, key.chunks)
+        h_chunks.copy_(c.view(-1))
+        h_offsets.copy_(o)
+        h_attn.copy_(packed_chunks(lens, T, N, self.attn_block, self.attn_entries)[0].view(-1))
 
     def fill_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                   doc_lens: torch.Tensor, positions: torch.Tensor, picks: torch.Tensor,
                   bank_table: torch.Tensor) -> int:
-        """Place a packed row batch (every row <= L tokens, N <= R rows, P <= picks capacity: the
-        caller checked with host ints) into the ROWS layout: built on the host, one copy in, then
-        the rows' block-table rows gathered on the device; no sync. The batch's fields are host
-        tensors (`RowBatch.host_fields`); device ones are copied back first (start-up, tests).
-        Returns P. Padding tokens are token 0 at position 0; padding picks read token 0 of row 0
-        (a real position, its output dropped)."""
-        key = self.key
-        assert key.kind is PassKind.ROWS
+        """Place a packed row batch (it `fits`: the caller chose the key from host ints) into the
+        buffers: built on the host, one copy in, then the rows' block-table rows gathered on the
+        device; no sync. The batch's fields are host tensors (`RowBatch.host_fields`); device
+        ones are copied back first (start-up, tests). Returns P, the real picks."""
+        assert self.key.kind is PassKind.ROWS
         tokens, cu_seqlens, slots, doc_lens, positions, picks = (
             t.cpu() for t in (tokens, cu_seqlens, slots, doc_lens, positions, picks))
-        N, T, P, L = slots.shape[0], tokens.shape[0], picks.shape[0], key.seq_len
-        host, h_tokens, h_positions, _, _, h_read, h_prefix, h_picks, *_ = self._host_block()
-        row = torch.repeat_interleave(torch.arange(N), cu_seqlens[1:] - cu_seqlens[:-1], output_size=T)
-        dst = row * L + (torch.arange(T) - cu_seqlens[row])  # [T] each token's place in the bucket
-        h_tokens[dst] = tokens
-        h_positions[dst] = positions
-        h_read[:N] = slots
-        h_prefix[:N] = doc_lens
-        h_picks[:P] = dst[picks]
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        host = self._template.clone()
+        self._fill_host(host, lens, tokens, positions, slots, -1, doc_lens, picks)
         copy_in(self._ints, host)
-        torch.index_select(bank_table, 0, self.read_slots[:N].clamp(min=0), out=self.block_table[:N])
-        return P
+        n = len(lens)
+        torch.index_select(bank_table, 0, self.read_slots[:n].clamp(min=0), out=self.block_table[:n])
+        return picks.shape[0]
 
-    def fill_state(self, documents: Sequence[Sequence[int]], slots: Sequence[int], bank_table: torch.Tensor) -> None:
-        """Place new documents (each <= L tokens, D <= R) into the STATE layout: the block built
-        on the host, one copy in, then the block-table rows of the written slots."""
-        key = self.key
-        assert key.kind is PassKind.STATE
-        N, L, R, D = key.num_slots, key.seq_len, key.seqs, len(documents)
-        # Host tensor ops, not Python lists: a 2,208-token bucket's list took 0.35 ms of a new request.
-        host, tokens, positions, cu, write, _, _, _, chunks, offsets, attn_chunks = self._host_block()
-        lens = torch.zeros(R, dtype=torch.int64)
-        for n, doc in enumerate(documents):
-            tokens[n * L : n * L + len(doc)] = host_int64(doc)
-            lens[n] = len(doc)
-        # pair n: the document's positions 0 .. len - 1, then its padding sequence's 0 .. L - len - 1
-        t = torch.arange(L)
-        positions.view(R, L).copy_(t - torch.where(t >= lens[:, None], lens[:, None], 0))
-        starts = torch.arange(R) * L
-        cu[1::2], cu[2::2] = starts + lens, starts + L
-        write[0 : 2 * D : 2] = host_int64(slots[:D])
-        doc_lens = lens.tolist()
-        c, o = pair_chunks(doc_lens, L, CHUNK)
-        chunks.copy_(c.view(-1))
-        offsets.copy_(o)
-        attn_chunks.copy_(pair_chunks(doc_lens, L, self.attn_block)[0].view(-1))
+    def fill_state(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], bank_table: torch.Tensor,
+                   starts: Sequence[int] | None = None) -> None:
+        """Place document chunks (they `fit`) into the buffers: chunk n goes to slot n's tokens
+        [starts[n], starts[n] + len) (0: a new document, which reads nothing; else it continues
+        the state in its slot). The block built on the host, one copy in, then the block-table
+        rows of the written slots."""
+        assert self.key.kind is PassKind.STATE
+        starts = [0] * len(chunks) if starts is None else list(starts)
+        lens = [len(c) for c in chunks]
+        flat = torch.cat([host_int64(c) for c in chunks]) if chunks else host_int64([])
+        # token i of chunk n sits at starts[n] + i: one arange shifted per chunk (no Python loop over tokens)
+        first = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0) if lens else host_int64([])
+        shift = torch.repeat_interleave(host_int64(starts) - first, host_int64(lens), output_size=len(flat))
+        positions = torch.arange(len(flat)) + shift
+        host = self._template.clone()
+        read = [s if start > 0 else -1 for s, start in zip(slots, starts)]
+        self._fill_host(host, lens, flat, positions, host_int64(read), host_int64(slots), host_int64(starts))
         copy_in(self._ints, host)
-        self.block_table[0 : 2 * D : 2] = bank_table[self.write_slots[0 : 2 * D : 2].clamp(min=0)]
+        n = len(lens)
+        if n:
+            torch.index_select(bank_table, 0, self.write_slots[:n].clamp(min=0), out=self.block_table[:n])
 
 
 def joined_indices(first: StaticPass, then: StaticPass):
     """The `PassIndices` of a sweep's `PhasedMeta.joined` (`first`'s sequences, then `then`'s): the
     two chunk lists back to back, `then`'s sequences and chunks counted after `first`'s. The delta
     rule's per-chunk steps read it; attention stays phased (no attention chunks). Device ops on the
-    two buckets' buffers, no host tensor: built at each pass, inside the graph when captured, since
-    a STATE bucket's lists change with every fill."""
+    two keys' buffers, no host tensor: built at each pass, inside the graph when captured, since
+    both lists change with every fill."""
     from kev.ops.triton_ops import PassIndices
 
     shifted = then.chunks.clone()

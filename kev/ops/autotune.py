@@ -27,7 +27,7 @@ passes are served, not by Triton's `do_bench`.
     tuner = serving_tuner()                  # ClassTuner(hot_autotuners(), bench=graph_bench)
     runner = Passes(model, bank, TritonOps(), tuner=tuner)
     warm_up(runner, ShapeClass)              # start-up: tune every class over its shapes
-    with tuner.use(classify(n_seqs, n_tokens)):
+    with tuner.use(classify(n_tokens, rows=True)):
         model(...)                           # what Passes does around each pass
 """
 

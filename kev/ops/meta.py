@@ -32,8 +32,8 @@ class PassMeta:
     prefix_lens: torch.Tensor  # [N] int64, tokens already stored for the sequence's document
     block_table: torch.Tensor  # [N, max_blocks] int32, K/V pages of the sequence's slot (-1 unused)
     positions: torch.Tensor | None = None  # [T] int64; given by builders so a pass needs no host sync
-    # The pass's autotune class when it differs from classify(num_seqs, T): a CUDA-graph STATE bucket
-    # counts each document and its padding sequence as one. None: classify from the shapes.
+    # The pass's autotune class (`kev.ops.shapes.classify`), set by builders that know the pass's
+    # kind (a CUDA-graph key's, by its padded size). None: guessed from the shapes (`classify_seqs`).
     shape_class: ShapeClass | None = None
     # A joined meta (`PhasedMeta.joined`): the sequence counts of its phases, in order; the delta
     # rule's state passes run phase by phase. Empty: one phase.
@@ -46,9 +46,9 @@ class PassMeta:
     def pass_class(self, num_tokens: int) -> ShapeClass:
         """The autotune class of this pass of `num_tokens` tokens (host ints only, no device read):
         the one its runner tunes under, so a kernel choice by class stays inside warmed caches."""
-        from kev.ops.shapes import classify
+        from kev.ops.shapes import classify_seqs
 
-        return self.shape_class if self.shape_class is not None else classify(self.num_seqs, num_tokens)
+        return self.shape_class if self.shape_class is not None else classify_seqs(self.num_seqs, num_tokens)
 
     @cached_property
     def host(self) -> "HostMeta":

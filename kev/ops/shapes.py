@@ -10,17 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-ROW_TOKENS = 128  # mean tokens per sequence up to which a pass is row-like
+ROW_TOKENS = 128  # mean tokens per sequence up to which a pass of unknown kind is taken for rows
 
 
 class ShapeClass(enum.Enum):
-    """Which autotune cache a pass uses. Mean sequence length splits rows from documents."""
+    """Which autotune cache a pass uses: the pass's kind and its (padded) token count, the two
+    things a CUDA-graph key fixes, so a key's graph and every pass it serves share one class."""
 
-    ROWS_FEW = "rows_few"  # <= 8 sequences of <= 128 tokens: one request's rows, a short new document
-    ROWS_MID = "rows_mid"  # 9-32 such sequences
-    ROWS_WIDE = "rows_wide"  # > 32: wide row batches (96 x 32-64)
-    DOCS_FEW = "docs_few"  # <= 4 sequences of > 128 tokens: long single documents (chunks of 8k)
-    DOCS_WIDE = "docs_wide"  # > 4: batched new documents (16 x 2,048)
+    ROWS_FEW = "rows_few"  # row passes of <= 256 tokens (one or a few requests); state passes too
+    ROWS_MID = "rows_mid"  # row passes of 257-1,024 tokens
+    ROWS_WIDE = "rows_wide"  # row passes of > 1,024 tokens (a busy scorer's)
+    DOCS_FEW = "docs_few"  # state passes of 257-4,096 tokens
+    DOCS_WIDE = "docs_wide"  # state passes of > 4,096 tokens (batched documents, long chunks)
 
     @property
     def rows(self) -> bool:
@@ -41,36 +42,39 @@ class ClassShape:
 
 
 # The shapes each class is tuned on (`warm_up`, `ClassTuner.tune`) and measured on
-# (bench/autotune_map.py), from the H200 map's served shapes: rows_few the tiny first call / short
-# new document, six-short's rows (6 x 32 over a 48-token document; paged attention wants 8 warps
-# there, 4 over 2,200 tokens) and five-long's (5 x 32 over 2,200); rows_mid and rows_wide both ends
-# of the width they serve; docs_few a 2,200-token document and a full 8k chunk; docs_wide 16
-# documents of 2,048. Each shape costs about 5 s of warm-up on the H200 (every config of every hot
-# kernel, Triton's benchmarker), so a class keeps 1-3.
+# (bench/autotune_map.py). Chosen from each class's token range, not from any workload: rows of
+# 40 tokens (about the geometric middle of 12-128) over a 512-token and a 4,096-token prefix at the
+# middle and the top of the class's range; documents of 1,024 and 4,096 tokens. Each shape costs
+# about 5 s of warm-up on the H200 (every config of every hot kernel), so a class keeps 2-3.
 CLASS_SHAPES: dict[ShapeClass, tuple[ClassShape, ...]] = {
-    ShapeClass.ROWS_FEW: (ClassShape(1, 16), ClassShape(6, 32, 48), ClassShape(5, 32, 2200)),
-    ShapeClass.ROWS_MID: (ClassShape(16, 64, 2200), ClassShape(32, 64, 2200)),
-    ShapeClass.ROWS_WIDE: (ClassShape(96, 32, 2200), ClassShape(96, 64, 2200)),
-    ShapeClass.DOCS_FEW: (ClassShape(1, 2200), ClassShape(1, 8192)),
-    ShapeClass.DOCS_WIDE: (ClassShape(16, 2048),),
+    ShapeClass.ROWS_FEW: (ClassShape(1, 16), ClassShape(4, 40, 512), ClassShape(4, 40, 4096)),
+    ShapeClass.ROWS_MID: (ClassShape(16, 40, 512), ClassShape(16, 40, 4096)),
+    ShapeClass.ROWS_WIDE: (ClassShape(64, 40, 512), ClassShape(64, 40, 4096)),
+    ShapeClass.DOCS_FEW: (ClassShape(1, 1024), ClassShape(1, 4096)),
+    ShapeClass.DOCS_WIDE: (ClassShape(4, 2048), ClassShape(1, 8192)),
 }
 
 
-def classify(num_seqs: int, num_tokens: int) -> ShapeClass:
-    """The class of a pass of `num_seqs` sequences and `num_tokens` tokens in all (host ints:
-    tensor shapes or the lengths a batch was built from, never a device read)."""
-    if num_seqs <= 0:
-        raise ValueError(f"a pass needs at least one sequence, got num_seqs={num_seqs}")
-    if num_tokens <= ROW_TOKENS * num_seqs:
-        if num_seqs <= 8:
-            return ShapeClass.ROWS_FEW
-        return ShapeClass.ROWS_MID if num_seqs <= 32 else ShapeClass.ROWS_WIDE
-    return ShapeClass.DOCS_FEW if num_seqs <= 4 else ShapeClass.DOCS_WIDE
+def classify(num_tokens: int, *, rows: bool) -> ShapeClass:
+    """The class of a row pass (`rows`) or a state pass of `num_tokens` tokens in all (host ints:
+    a key's padded size or the lengths a batch was built from, never a device read)."""
+    if num_tokens <= 0:
+        raise ValueError(f"a pass needs at least one token, got num_tokens={num_tokens}")
+    if num_tokens <= 256:
+        return ShapeClass.ROWS_FEW
+    if rows:
+        return ShapeClass.ROWS_MID if num_tokens <= 1024 else ShapeClass.ROWS_WIDE
+    return ShapeClass.DOCS_FEW if num_tokens <= 4096 else ShapeClass.DOCS_WIDE
+
+
+def classify_seqs(num_seqs: int, num_tokens: int) -> ShapeClass:
+    """A pass whose kind is not known: rows when its sequences average at most ROW_TOKENS tokens."""
+    return classify(num_tokens, rows=num_tokens <= ROW_TOKENS * max(num_seqs, 1))
 
 
 def classify_lens(lens: Iterable[int]) -> ShapeClass:
     lens = list(lens)
-    return classify(len(lens), sum(lens))
+    return classify_seqs(len(lens), sum(lens))
 
 
 def classify_cu_seqlens(cu_seqlens: torch.Tensor | list[int]) -> ShapeClass:
@@ -79,4 +83,4 @@ def classify_cu_seqlens(cu_seqlens: torch.Tensor | list[int]) -> ShapeClass:
         if cu_seqlens.device.type != "cpu":
             raise ValueError("cu_seqlens must be on the host; classify device batches by their shapes")
         cu_seqlens = cu_seqlens.tolist()
-    return classify(len(cu_seqlens) - 1, cu_seqlens[-1] - cu_seqlens[0])
+    return classify_seqs(len(cu_seqlens) - 1, cu_seqlens[-1] - cu_seqlens[0])

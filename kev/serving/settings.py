@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from kev.exec.plan import GraphPlan, parse_doc_buckets, parse_row_buckets, parse_warm_classes
+from kev.exec.plan import GraphPlan, parse_warm_classes
 
 T = TypeVar("T")
 
@@ -104,9 +104,17 @@ def _convert(name: str, kind: object, raw: str) -> object:
             return float(raw)
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+    if kind == "bool":
+        value = raw.strip().lower()
+        if value not in _BOOLS:
+            raise ConfigError(f"{name} must be one of {', '.join(_BOOLS)}, got {raw!r}")
+        return _BOOLS[value]
     if kind == "Path":
         return Path(raw)
     return raw
+
+
+_BOOLS = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
 
 
 def redact_url(url: str) -> str:
@@ -147,21 +155,13 @@ def check_server_security(config: Any) -> None:
         raise ConfigError(f"KEV_REFLECTION must be on or off, got {config.reflection!r}")
 
 
-def graph_plan(*, max_graphs: int, warm_classes: str, graph_rows: str | None = None, graph_docs: str | None = None,
-               max_rows_per_pass: int | None = None) -> GraphPlan:
-    """What a service captures on CUDA (kev/exec/plan.py) from its graph settings: row buckets
-    (KEV_GRAPH_ROWS, the scorer) or document buckets (KEV_GRAPH_DOCS, the bank), KEV_MAX_GRAPHS and
-    KEV_WARM_CLASSES. Raises ConfigError naming the variable; services call it from `__post_init__`
-    so bad settings fail at start-up."""
-    if max_graphs < 0:
-        raise ConfigError(f"KEV_MAX_GRAPHS must be >= 0, got {max_graphs}")
-    rows = _parse("KEV_GRAPH_ROWS", parse_row_buckets, graph_rows) if graph_rows is not None else ()
-    docs = _parse("KEV_GRAPH_DOCS", parse_doc_buckets, graph_docs) if graph_docs is not None else ()
-    for name, buckets in (("KEV_GRAPH_ROWS", rows), ("KEV_GRAPH_DOCS", docs)):
-        if max_graphs and len(buckets) > max_graphs:
-            raise ConfigError(f"{name} names {len(buckets)} buckets, more than KEV_MAX_GRAPHS={max_graphs}")
+def graph_plan(*, cuda_graphs: bool, warm_classes: str, **caps: int) -> GraphPlan:
+    """What a service captures on CUDA (kev/exec/plan.py): KEV_CUDA_GRAPHS (every key up to the
+    service's pass caps, `caps`: GraphPlan's row_* / state_* fields) and KEV_WARM_CLASSES. Raises
+    ConfigError naming the variable; services call it from `__post_init__` so bad settings fail at
+    start-up."""
     warm = _parse("KEV_WARM_CLASSES", parse_warm_classes, warm_classes)
-    return GraphPlan(rows=rows, docs=docs, max_graphs=max_graphs, max_rows_per_pass=max_rows_per_pass, warm=warm)
+    return GraphPlan(cuda_graphs=cuda_graphs, warm=warm, **caps)
 
 
 def _parse(name: str, parse: Callable[[str], Any], text: str) -> Any:

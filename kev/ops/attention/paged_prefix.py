@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
-from kev.ops.shapes import ShapeClass, classify
+from kev.ops.shapes import ShapeClass, classify_seqs
 from kev.ops.utils import shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
@@ -454,7 +454,7 @@ def paged_prefix_attention(
     config:        run this one config instead of the autotuner (in split mode: in both kernels)
     block_n:       keys per inner step (default: 64 for head dims <= 128, else 32); the online-softmax
                    order depends on it, so it is fixed per head dim and never autotuned (benchmarks only)
-    split:         split mode (default: for a rows_few pass, `classify(N, T)`; callers that tune by
+    split:         split mode (default: for a rows_few pass, `classify_seqs(N, T)`; callers that tune by
                    their pass's class pass it from that class, `TritonOps.attention` does)
     spans:         split mode's prefix spans (the merge order depends on it: serving keeps
                    PREFIX_SPANS; other counts are for benchmarks)
@@ -504,7 +504,7 @@ def paged_prefix_attention(
     meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
                 BN=block_n or (64 if BD <= 128 else 32))
     qk_scale = scale * 1.4426950408889634
-    split = split_mode(classify(N, T)) if split is None else split
+    split = split_mode(classify_seqs(N, T)) if split is None else split
     if not split:
         args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
                 prefix_lens, write_slots, cu_seqlens, chunk_indices, qk_scale,
