@@ -49,6 +49,7 @@ def _listening_ipv4(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.slow  # a whole TLS stack (~45 s on CI's 2 cores); test_tls_auth.py's stack covers TLS in CI
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 def test_scorer_presents_its_certificate_to_a_bank_requiring_mtls_metrics_on_loopback(checkpoint):
     work = Path(tempfile.mkdtemp(prefix="kev-mtls-"))
