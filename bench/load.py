@@ -13,6 +13,18 @@ loop, so the offered load is the client count. Measured per run, after an option
 - bank hit ratio: share of answered requests whose `usage.cached_state_tokens` > 0; and, when the
   scorer's Prometheus endpoint is given (`--metrics-url`), the scorer's own hit ratio, rows and row
   tokens per row pass from the difference of two scrapes around the window
+- tokens/s (`tokens_per_s`): real tokens served per second of the window, none of them padding:
+  every answered row's tokens, and the document's tokens when it was state-passed for the request,
+  as its response says (`usage.input_tokens - usage.cached_state_tokens`: a document whose state
+  came from the bank adds none, a repeat the bank had evicted is state-passed again and counts)
+- `matmul_tflops`: the GPU's bf16 matmul rate, measured in a child process before the load (the
+  client keeps no CUDA context; null without a GPU), and `ceiling_fraction` = tokens/s x 2 x
+  non-embedding parameters (of the served checkpoint's config) / that rate: the share of the
+  matmul ceiling the served tokens reach (docs/design.md section 4)
+- `eager_passes_after_warmup`: passes the bank and the scorers ran other than as a CUDA-graph
+  replay since they started serving (`kev_scorer_graph_passes_total` / `kev_bank_graph_passes_total`,
+  every `path` but `replay`; start-up captures are not counted), read at the end of the run; per
+  service in `eager_passes_by_service`; null unless every service exports the counter (CPU: none does)
 - a live one-line progress display on stderr (one line every 5 s when stderr is not a terminal)
 
     python -m bench.load --addr 127.0.0.1:50051 --checkpoint CKPT --workload six-short --clients 64 \\
@@ -29,12 +41,14 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +75,7 @@ class Outcome:
     doc_tokens: int
     questions: int
     sent_in_window: bool  # claimed after the window opened (what a request limit counts)
+    served_tokens: int = 0  # row tokens, plus the document's when it was state-passed (module docstring)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,8 +84,14 @@ class Outcome:
 
 def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: float | None = 20.0,
              max_requests: int | None = None, warmup_s: float = 0.0, timeout_s: float = 120.0,
-             metrics_url: str | None = None, bank_metrics_url: str | None = None, label: str = "") -> dict:
+             metrics_url: str | None = None, bank_metrics_url: str | None = None,
+             service_metrics_urls: Mapping[str, str] | None = None, matmul_tflops: float | None = None,
+             non_embedding_params: int | None = None, label: str = "") -> dict:
     """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
+
+    `service_metrics_urls` (name -> Prometheus URL) are the services whose eager passes count
+    (default: the scorer's and the bank's URLs given); `matmul_tflops` and `non_embedding_params`
+    make `ceiling_fraction` (null without either).
 
     The window opens once `warmup_s` has passed AND every client has had a reply (the pipeline is
     full: a five-long x 64 run's first replies take 2.5 s, and a window opened before them measured
@@ -127,8 +148,9 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
                 if code != "OK":
                     message = f"{len(reply.answers)} answers for {item.questions} questions"
                 cached = reply.usage.cached_state_tokens > 0
+                served = reply.usage.input_tokens - reply.usage.cached_state_tokens
             except grpc.RpcError as e:
-                code, message, cached = e.code().name, e.details() or "", False
+                code, message, cached, served = e.code().name, e.details() or "", False, 0
             except ValueError as e:  # "Cannot invoke RPC on closed channel!": only once an interrupt closed it
                 if stop.is_set() and "closed channel" in str(e):
                     return
@@ -138,8 +160,9 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
             if not stop.is_set():
                 with lock:
                     outcomes.append(Outcome(start, latency, code, message, cached, item.doc_tokens, item.questions,
-                                            in_window))
+                                            in_window, served))
 
+    stream.prepare()
     threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}", daemon=True) for i in range(clients)]
     freeze_startup_heap()  # a full GC of this process would add its pause to every call in flight (kev/serving/interpreter.py)
     for t in threads:
@@ -170,10 +193,16 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
         ch.close()
     if not timed:
         after, bank_after = scrape(metrics_url), scrape(bank_metrics_url)
+    if service_metrics_urls is None:
+        service_metrics_urls = {k: u for k, u in (("scorer", metrics_url), ("bank", bank_metrics_url)) if u}
+    eager, eager_by_service = eager_passes(service_metrics_urls)
     result = summarize(outcomes, window.start, window.end if timed else None)
     result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
                   window_opened_after_s=round(window.start - begin, 3),
                   duration_limit_s=duration_s, request_limit=max_requests,
+                  matmul_tflops=matmul_tflops,
+                  ceiling_fraction=ceiling_fraction(result["tokens_per_s"], non_embedding_params, matmul_tflops),
+                  eager_passes_after_warmup=eager, eager_passes_by_service=eager_by_service,
                   **scorer_figures(before, after, result["elapsed_s"]),
                   **bank_figures(bank_before, bank_after, result["elapsed_s"]))
     return result
@@ -245,12 +274,47 @@ def summarize(outcomes: list[Outcome], window_start: float, window_end: float | 
         "error_messages": messages,
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": len(ok) / elapsed if elapsed > 0 else 0.0,
+        "tokens_per_s": sum(o.served_tokens for o in ok) / elapsed if elapsed > 0 else 0.0,
         "p50_ms": percentile(lat, 0.50), "p90_ms": percentile(lat, 0.90), "p99_ms": percentile(lat, 0.99),
         "mean_ms": nan_if_empty(lat, lambda x: sum(x) / len(x)), "max_ms": nan_if_empty(lat, max),
         "bank_hit_ratio": nan_if_empty(ok, lambda x: sum(o.cached for o in x) / len(x)),
         "doc_tokens_mean": nan_if_empty(ok, lambda x: sum(o.doc_tokens for o in x) / len(x)),
         "questions_mean": nan_if_empty(ok, lambda x: sum(o.questions for o in x) / len(x)),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# the matmul ceiling
+
+
+def ceiling_fraction(tokens_per_s: float, non_embedding_params: int | None, tflops: float | None) -> float | None:
+    """tokens/s x 2 x non-embedding parameters / the measured matmul rate (None without both)."""
+    if non_embedding_params is None or not tflops:
+        return None
+    return tokens_per_s * 2 * non_embedding_params / (tflops * 1e12)
+
+
+def served_params(checkpoint: str | os.PathLike) -> int:
+    """Non-embedding parameters of the served checkpoint's backbone (its config.json)."""
+    from kev.model.checkpoint import read_config
+
+    return read_config(checkpoint).non_embedding_params()
+
+
+def measure_matmul_tflops() -> float | None:
+    """bench.common.matmul_tflops in a child process, so this client never holds a CUDA context
+    beside the services; None without a GPU, or (with a warning) when the measurement fails."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    code = "from bench.common import matmul_tflops; print(matmul_tflops())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    if run.returncode != 0:
+        print(f"matmul_tflops not measured (rc {run.returncode}): {run.stderr[-2000:]}", file=sys.stderr, flush=True)
+        return None
+    return float(run.stdout.split()[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +332,21 @@ def scrape(url: str | None) -> dict[str, float] | None:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+_GRAPH_PASSES = re.compile(r'kev_(?:scorer|bank)_graph_passes_total\{(?:.*,)?path="([^"]*)"')
+
+
+def eager_passes(urls: Mapping[str, str]) -> tuple[int | None, dict[str, int | None]]:
+    """(sum, per service) of the passes each service ran other than as a CUDA-graph replay (every
+    `path` label of its `kev_*_graph_passes_total` but `replay`). A service that exports no such
+    counter (no CUDA graphs: CPU) is None, and so is the sum: it would leave that service out."""
+    by_service: dict[str, int | None] = {}
+    for name, url in urls.items():
+        paths = {m.group(1): v for key, v in (scrape(url) or {}).items() if (m := _GRAPH_PASSES.match(key))}
+        by_service[name] = int(sum(v for path, v in paths.items() if path != "replay")) if paths else None
+    values = list(by_service.values())
+    return (None if not values or None in values else sum(values)), by_service
 
 
 def scorer_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
@@ -459,17 +538,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="six-short")
     p.add_argument("--metrics-url", default=None, help="the scorer's Prometheus endpoint, http://host:port/metrics")
     p.add_argument("--bank-metrics-url", default=None, help="the bank's Prometheus endpoint (state-pass figures)")
+    p.add_argument("--matmul-tflops", default="auto",
+                   help="the GPU's bf16 matmul TFLOPS for ceiling_fraction: 'auto' (measured here in a child process "
+                        "before the load, null without a GPU; measure with the services idle), 'none' or a number")
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--plot", default=None, help="PNG of requests/s and p99 against clients (with --sweep)")
     add_run_args(p)
     args = p.parse_args(argv)
 
+    if args.matmul_tflops == "auto":
+        tflops = measure_matmul_tflops()
+    else:
+        tflops = None if args.matmul_tflops == "none" else float(args.matmul_tflops)
     model_id, tokenizer, builder = load_builder(args.checkpoint)
     stream = RequestStream(TextMaker(tokenizer, builder), model_id, WORKLOADS[args.workload].scaled(args.scale),
                            args.seed)
     runs = [run_load(args.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
                      warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=args.metrics_url,
-                     bank_metrics_url=args.bank_metrics_url)
+                     bank_metrics_url=args.bank_metrics_url, matmul_tflops=tflops,
+                     non_embedding_params=served_params(args.checkpoint))
             for n in (args.sweep or [args.clients])]
     out = {**environment(), "workload": args.workload, "scale": args.scale, "runs": runs}
     if args.out:

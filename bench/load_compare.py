@@ -17,10 +17,16 @@ runs them in the same pass shapes): `gathered` reads the very states `kev`'s sam
 their probabilities must be bit-identical; the baseline's largest difference from the project's is
 recorded (bf16 on GPU: not expected to be zero).
 
-Start-up captures and warms only what the workloads use (bench/load_startup.py: `--graph-rows`,
-`--graph-docs`, `--warm-classes`, `--gathered-max-prefix-tokens`, the baseline's warm shapes; `default`
-keeps a service's own setting),
-and the log says where each service's start-up time went (weights, class warm-up, graph captures).
+The bank and the kev scorer start with their defaults: no start-up plan (KEV_GRAPH_ROWS,
+KEV_GRAPH_DOCS, KEV_WARM_CLASSES, KEV_MAX_GRAPHS) and no bank layout (`--avg-doc-tokens`) fitted to
+the workload, only what the harness always sets (device, bank memory, the document limit, metrics
+ports, torch threads). A figure then says how the defaults serve traffic they were not fitted to.
+`--bank-env` / `--scorer-env KEY=VAL` and `--bank-flag` / `--scorer-flag` remain for experiments;
+any of them makes the results say `"default_startup": false` (and list them in `service_overrides`).
+The gathered scorer's prefix buffer (`--gathered-max-prefix-tokens`, default the longest document)
+and the baseline's warm-up shapes do follow the workload: they are comparison systems, not the
+services, and without them the one refuses long documents and the other compiles in the window.
+The log says where each service's start-up time went (weights, class warm-up, graph captures).
 
 Order: the stack with the kev scorer is started and measured, then the baseline (the stack idles
 beside it, or is stopped first when no gathered scorer follows), then the gathered scorer is added
@@ -30,10 +36,11 @@ Writes `<out-dir>/load_<workload>.json` per workload, rewritten after every run 
 run cut short (a `timeout`) leaves what it measured: `missing` lists the systems not (yet) measured
 and `complete` is false until none is. Fields: `commit`, `gpu`, `clients`, `requests_per_s`,
 `p50_ms`, `p90_ms`, `p99_ms`, `errors` (by gRPC status, with `error_messages`: the first message of
-each), bank hit ratio and rows per pass for the
-project, the same fields in `gathered` and `baseline`, the sweep of every system, the ratio to the
-baseline, the identity check, `startup` (seconds per service), package versions and the exact
-command; with `--sweep`, also
+each), bank hit ratio and rows per pass for the project, `tokens_per_s`, `matmul_tflops` (measured
+in a child process before the stack starts, null on CPU), `ceiling_fraction` and
+`eager_passes_after_warmup` (bench/load.py), the same fields in `gathered` and `baseline`, the
+sweep of every system, the ratio to the baseline, the identity check, `default_startup`,
+`startup` (seconds per service), package versions and the exact command; with `--sweep`, also
 `<png-dir>/load_<workload>.png` (requests/s and p99 against clients). The JSON keeps its plain name
 (bench/results/ by default, overwritten: the commit is inside it); the plot, like every per-run log,
 goes to the git-ignored runs/. Exit status 1 on any error or mismatch.
@@ -68,11 +75,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.load import add_run_args, environment, json_safe, parse_counts, run_load
-from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_min_rows, baseline_warm_rows, baseline_warm_widths,
-                                doc_plan, format_breakdown, longest_document, row_plan, startup_breakdown, warm_plan)
-from bench.load_report import report, sample_answers, write_quietly
-from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
+from bench.load import (add_run_args, environment, json_safe, measure_matmul_tflops, parse_counts, run_load,
+                        served_params)
+from bench.load_report import (format_breakdown, report, sample_answers, service_overrides, startup_breakdown,
+                               write_quietly)
+from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, Workload, load_builder
 from bench.random_checkpoint import write_random_checkpoint
 from kev.serving.processes import REPO_ROOT, Proc, free_port
 from kev.stack import Stack
@@ -88,33 +95,26 @@ START_TIMEOUT_S = 900.0  # Kev-4B: 8 GB of weights per process, then warm-up and
 class Running:
     """A started system: its scorer address, metrics URL and how to stop it."""
 
-    def __init__(self, addr: str, metrics_url: str, stop, logs, bank_metrics_url: str | None = None):
+    def __init__(self, addr: str, metrics_url: str, stop, logs, bank_metrics_url: str | None = None,
+                 service_metrics_urls: dict[str, str] | None = None):
         self.addr, self.metrics_url, self.stop, self.logs = addr, metrics_url, stop, logs
         self.bank_metrics_url = bank_metrics_url  # the stack's bank (state passes, acquires); None: no bank
+        # every service of the stack while this system runs, whose eager passes count; {}: none (the baseline)
+        self.service_metrics_urls = service_metrics_urls or {}
         self.startup: dict | None = None
 
 
 def start_stack(checkpoint: Path, args) -> tuple[Stack, Running, dict, dict]:
     """The stack with the `kev` scorer, its `Running`, the start-up breakdown (wall seconds, and per
-    service what its log says) and the ports (`add_gathered` puts its scorer beside it later)."""
-    dev = args.device
+    service what its log says) and the ports (`add_gathered` puts its scorer beside it later).
+    The services get only the harness's settings and the `--*-env` / `--*-flag` overrides."""
     ports = {"kev": free_port(), "gathered": free_port(), "bank": free_port()}
-    graphs = {"KEV_GRAPH_ROWS": args.graph_rows} if args.graph_rows != "default" else {}
-    bank_graphs = {"KEV_GRAPH_DOCS": args.graph_docs} if args.graph_docs != "default" else {}
-    if bank_graphs and args.graph_docs != "none":
-        bank_graphs["KEV_MAX_GRAPHS"] = str(max(24, len(args.graph_docs.split(",")) + 8))  # room for idle captures
-    if args.scorer_warm_classes != "default":  # every scorer: the gathered one gets the stack's scorer_env too
-        graphs["KEV_WARM_CLASSES"] = args.scorer_warm_classes
-    if args.bank_warm_classes != "default":
-        bank_graphs["KEV_WARM_CLASSES"] = args.bank_warm_classes
-    stack = Stack(checkpoint, bank_memory_bytes=int(args.bank_gb * 2**30), max_document_tokens=args.max_document_tokens,
-                  scorer_env={"KEV_DEVICE": dev, "KEV_OPS": "torch" if dev == "cpu" else "triton",
-                              "KEV_METRICS_PORT": str(ports["kev"]), **graphs},
-                  bank_env={"KEV_DEVICE": dev, "KEV_METRICS_PORT": str(ports["bank"]), **bank_graphs},
-                  bank_flags=["--ops", "torch" if dev == "cpu" else "triton", "--avg-doc-tokens",
-                              str(args.avg_doc_tokens), *args.bank_flag],
-                  scorer_flags=list(args.scorer_flag), torch_threads=args.torch_threads,
-                  start_timeout_s=START_TIMEOUT_S)
+    stack = Stack(checkpoint, device=args.device, bank_memory_bytes=int(args.bank_gb * 2**30),
+                  max_document_tokens=args.max_document_tokens,
+                  scorer_env={"KEV_METRICS_PORT": str(ports["kev"]), **dict(args.scorer_env)},
+                  bank_env={"KEV_METRICS_PORT": str(ports["bank"]), **dict(args.bank_env)},
+                  bank_flags=list(args.bank_flag), scorer_flags=list(args.scorer_flag),
+                  torch_threads=args.torch_threads, start_timeout_s=START_TIMEOUT_S)
     start = time.perf_counter()
     stack.start()
     startup = {"wall": {"bank_and_kev_scorer_s": round(time.perf_counter() - start, 1)}}
@@ -136,8 +136,9 @@ def add_gathered(stack: Stack, args, ports: dict, startup: dict) -> Running:
 def _scorer_running(stack: Stack, index: int, ports: dict) -> Running:
     name = ("kev", "gathered")[index]
     logs = lambda: {p.name: p.log_tail(2000) for p in (stack.bank, *stack.scorers) if p is not None}  # noqa: E731
-    return Running(stack.scorer_addrs[index], f"http://127.0.0.1:{ports[name]}/metrics", stack.stop, logs,
-                   bank_metrics_url=f"http://127.0.0.1:{ports['bank']}/metrics")
+    url = lambda service: f"http://127.0.0.1:{ports[service]}/metrics"  # noqa: E731
+    return Running(stack.scorer_addrs[index], url(name), stack.stop, logs, bank_metrics_url=url("bank"),
+                   service_metrics_urls={s: url(s) for s in ("bank", "kev", "gathered")[:index + 2]})
 
 
 def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
@@ -185,11 +186,12 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
 
 
 def measure(system: str, running: Running, checkpoint: Path, args, workloads: list[str], seed: int,
-            results: dict, save) -> None:
+            results: dict, save, matmul_tflops: float | None = None) -> None:
     """Per workload: the sample answers, then the runs (sweep or one client count), each stored in
     `results[system][workload]` and saved (`save()`) as soon as it is done."""
     model_id, tokenizer, builder = load_builder(checkpoint, args.max_document_tokens)
     maker = TextMaker(tokenizer, builder)
+    params = served_params(checkpoint)
     for name in workloads:
         stream = RequestStream(maker, model_id, WORKLOADS[name].scaled(args.scale), seed)
         entry = results.setdefault(system, {})[name] = {"sample": sample_answers(running.addr, stream.sample(args.sample),
@@ -201,6 +203,8 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
             entry["runs"].append(run_load(running.addr, stream, n, duration_s=duration, max_requests=args.requests,
                                           warmup_s=warmup, timeout_s=args.timeout_s,
                                           metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
+                                          service_metrics_urls=running.service_metrics_urls,
+                                          matmul_tflops=matmul_tflops, non_embedding_params=params,
                                           label=f"{system} {name} x{n}"))
             save()
         entry["done"] = True
@@ -213,31 +217,39 @@ def sweep_of(system: str, args) -> list[int]:
     return own or args.sweep or [args.clients]
 
 
-def apply_startup_defaults(args, workloads: list[str]) -> None:
-    """`auto` start-up settings from the workloads (bench/load_startup.py)."""
-    from kev.exec.plan import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS, parse_warm_classes
-
+def apply_comparison_defaults(args, workloads: list[str]) -> None:
+    """What the comparison systems get from the workloads (the services get nothing): the gathered
+    scorer's prefix buffer, the longest document; the baseline's warm-up shapes (`baseline_warm_shapes`)."""
     used = [WORKLOADS[w].scaled(args.scale) for w in workloads]
-    if args.graph_rows == "auto":
-        args.graph_rows = row_plan(used)
-    if args.graph_docs == "auto":
-        args.graph_docs = doc_plan(used)
     if args.gathered_max_prefix_tokens is None:
-        args.gathered_max_prefix_tokens = longest_document(used)
-    if getattr(args, "avg_doc_tokens", None) is None:
-        args.avg_doc_tokens = bank_avg_doc_tokens(used)
-    if args.warm_classes == "auto":  # the workloads' classes and those of the buckets captured at start-up
-        started = lambda setting, default: default if setting == "default" else setting  # noqa: E731
-        args.scorer_warm_classes, args.bank_warm_classes = warm_plan(
-            used, started(args.graph_rows, DEFAULT_ROW_BUCKETS), started(args.graph_docs, DEFAULT_DOC_BUCKETS))
-    else:  # 'default' (not passed: the services' own 'all') or one setting for every service
-        if args.warm_classes != "default":
-            parse_warm_classes(args.warm_classes)  # a bad name fails here, not in a service's start-up
-        args.scorer_warm_classes = args.bank_warm_classes = args.warm_classes
-    args.baseline_warm_widths = baseline_warm_widths(used)
-    args.baseline_warm_rows = baseline_warm_rows(used, sweep_of("baseline", args))
+        args.gathered_max_prefix_tokens = max(w.longest_document for w in used)
+    widths, most_rows, fewest_rows = baseline_warm_shapes(used, sweep_of("baseline", args))
+    args.baseline_warm_widths, args.baseline_warm_rows = widths, most_rows
     if getattr(args, "baseline_warm_min_rows", None) is None:
-        args.baseline_warm_min_rows = baseline_warm_min_rows(used)
+        args.baseline_warm_min_rows = fewest_rows
+
+
+def baseline_warm_shapes(workloads: list[Workload], clients: list[int], max_requests: int = 64) -> tuple[list[int], int, int]:
+    """(sequence lengths, most rows, fewest rows) of the baseline's forwards under these workloads and
+    client counts, which it runs once at start-up: a padded forward's width is its longest document +
+    row (a fixed-length workload has one; lengths that vary give both ends), and it holds from one
+    request's questions up to the sweep's widest batch (`max_requests` requests)."""
+    widths = set()
+    for w in workloads:
+        widths.update(n + r for n in (w.doc_range or w.doc_tokens) for r in set(w.row_tokens))
+    most = min(max(clients), max_requests) * max(w.questions[1] for w in workloads)
+    return sorted(widths), most, min(w.questions[0] for w in workloads)
+
+
+def parse_env(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def show(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,22 +282,18 @@ def main(argv: list[str] | None = None) -> int:
                         "64-client-only sweep batches ~190 rows a forward: 96 warms what its window runs, "
                         "--baseline-warmup-s absorbs the ramp's smaller shapes, and the start-up is ~70 s shorter")
     p.add_argument("--bank-gb", type=float, default=None, help="bank memory (default 48 GiB on GPU, 64 MiB on CPU)")
-    p.add_argument("--avg-doc-tokens", type=int, default=None,
-                   help="the bank's slot/page split (default: from the workloads, at least 2048)")
     p.add_argument("--max-document-tokens", type=int, default=65536)
     p.add_argument("--baseline-max-batch-tokens", type=int, default=786432)
     p.add_argument("--torch-threads", type=int, default=None, help="per service process (default 1 on CPU, 4 on GPU)")
-    p.add_argument("--graph-rows", default="auto", help="scorers' start-up row buckets (KEV_GRAPH_ROWS): 'auto' "
-                   "(the workloads' row length, 1..96 rows), 'default' (the scorer's own), 'none' or a list RxL,...")
-    p.add_argument("--graph-docs", default="auto", help="the bank's start-up state buckets (KEV_GRAPH_DOCS): 'auto' "
-                   "(the workloads' document lengths, 1..64 documents), 'default', 'none' or a list DxL,...")
-    p.add_argument("--warm-classes", default="auto", help="autotune classes the services warm at start-up "
-                   "(KEV_WARM_CLASSES): 'auto' (per service, its passes' classes under the workloads and its "
-                   "start-up buckets'), 'default' (the services' own: all they can use), 'none' or a list rows_few,...")
     p.add_argument("--gathered-max-prefix-tokens", type=int, default=None,
                    help="KEV_GATHERED_MAX_PREFIX_TOKENS of the gathered scorer (default: the longest document)")
+    # For experiments: any of these makes the results say "default_startup": false.
     p.add_argument("--bank-flag", action="append", default=[], help="extra bank_service flag (repeatable)")
-    p.add_argument("--scorer-flag", action="append", default=[], help="extra scorer_service flag (repeatable)")
+    p.add_argument("--scorer-flag", action="append", default=[], help="extra flag of every scorer (repeatable)")
+    p.add_argument("--bank-env", action="append", type=parse_env, default=[], metavar="KEY=VAL",
+                   help="extra bank_service setting, e.g. KEV_GRAPH_DOCS=1x48 (repeatable)")
+    p.add_argument("--scorer-env", action="append", type=parse_env, default=[], metavar="KEY=VAL",
+                   help="extra setting of every scorer, e.g. KEV_WARM_CLASSES=none (repeatable)")
     add_run_args(p)
     args = p.parse_args(argv)
     # A SIGTERM (a `timeout` around the run) unwinds like Ctrl-C, so the stack's processes, which
@@ -307,13 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     for system in ("baseline", "gathered"):
         if (own := getattr(args, f"{system}_sweep")) and args.clients not in own:
             p.error(f"--{system}-sweep {own} must hold {args.clients} clients (the compared run)")
-    try:
-        apply_startup_defaults(args, workloads)
-    except ValueError as e:
-        p.error(str(e))
-    print(f"== start-up plan: KEV_GRAPH_ROWS={args.graph_rows} KEV_GRAPH_DOCS={args.graph_docs} "
-          f"KEV_WARM_CLASSES={args.scorer_warm_classes} (scorers) / {args.bank_warm_classes} (bank) "
-          f"KEV_GATHERED_MAX_PREFIX_TOKENS={args.gathered_max_prefix_tokens} baseline warm widths "
+    apply_comparison_defaults(args, workloads)
+    overrides = service_overrides(args)
+    print(f"== services: {'their defaults' if not overrides else f'overridden {overrides}'}; gathered scorer "
+          f"KEV_GATHERED_MAX_PREFIX_TOKENS={args.gathered_max_prefix_tokens}; baseline warm widths "
           f"{args.baseline_warm_widths} rows {args.baseline_warm_min_rows}..{args.baseline_warm_rows}",
           file=sys.stderr, flush=True)
 
@@ -327,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = write_random_checkpoint(where, "kev-4b" if on_gpu else "tiny", args.device)
 
     skipped = {} if on_gpu else {"gathered": "CPU run: the gathered ops are Triton kernels (GPU only)"}
+    # Before any service holds the GPU, on the GPU they will share (the rate varies run to run)
+    tflops = measure_matmul_tflops() if on_gpu else None
+    print(f"== matmul: {tflops if tflops is None else f'{tflops:.0f}'} TFLOPS (bf16)", file=sys.stderr, flush=True)
     systems = [s for s in systems if s not in skipped]
     results: dict[str, dict] = {}
     startup: dict = {}
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure_all(system: str, running: Running, seed: int) -> None:
         try:
-            measure(system, running, checkpoint, args, workloads, seed, results, save)
+            measure(system, running, checkpoint, args, workloads, seed, results, save, tflops)
         except BaseException:
             for proc, tail in running.logs().items():
                 print(f"--- {proc} log tail ---\n{tail}", file=sys.stderr)
@@ -394,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
 
             plot_sweeps({s: results[s][name]["runs"] for s in results if name in results[s]},
                         Path(args.png_dir) / f"load_{name}.png", title=f"{name} ({out['gpu']})")
-        print(f"{name}: kev {out['requests_per_s']:.1f} req/s p99 {out['p99_ms']:.1f} ms, errors {errors}, "
+        print(f"{name}: kev {out['requests_per_s']:.1f} req/s p99 {out['p99_ms']:.1f} ms, "
+              f"{out['tokens_per_s']:.0f} tokens/s ({show(out['ceiling_fraction'], '.1%')} of the matmul ceiling), "
+              f"eager passes {show(out['eager_passes_after_warmup'], 'd')}, errors {errors}, "
               f"gathered bit-identical: {'not run' if identical is None else identical}", file=sys.stderr)
         for system, o in per_system.items():
             for run in o["sweep"]:

@@ -26,7 +26,7 @@ import json
 from bench.common import write_json
 from bench.load_report import HEADLINE
 
-SAME = ("workload", "commit", "gpu", "gpu_sharing", "device", "scale")
+SAME = ("workload", "commit", "gpu", "gpu_sharing", "device", "scale", "default_startup")
 
 
 def merge(with_baseline: dict, with_gathered: dict) -> dict:

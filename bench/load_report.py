@@ -1,11 +1,14 @@
 """What bench/load_compare.py writes: the sample-answer comparison across systems and one
 results file per workload, built from whatever has been measured so far (a run cut short by a
-timeout still leaves a complete, honest file: `missing` names what was not measured)."""
+timeout still leaves a complete, honest file: `missing` names what was not measured), and where
+each service's start-up time went, from its log."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -15,7 +18,7 @@ from bench.load_workloads import LoadRequest
 from kev.v1 import scorer_pb2 as pb
 
 HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "error_messages",
-            "bank_hit_ratio",
+            "bank_hit_ratio", "tokens_per_s", "matmul_tflops", "ceiling_fraction", "eager_passes_after_warmup",
             "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "row_pass_ms", "row_worker_busy",
             "row_passes_by_path", "state_passes", "documents_per_state_pass", "state_pass_ms", "state_worker_busy",
             "new_document_acquire_ms", "requests", "elapsed_s")
@@ -88,6 +91,10 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
            "model": ("Kev-4B shapes, random bf16 weights" if args.device != "cpu" else "tiny random fp32 (CPU)"),
            "checkpoint": str(checkpoint), "scale": args.scale,
            "missing": [s for s in systems if s not in done], "complete": len(done) == len(systems)}
+    overrides = service_overrides(args)
+    out["default_startup"] = not overrides  # the bank and kev scorer ran with their defaults (module docstring)
+    if overrides:
+        out["service_overrides"] = overrides
     kev = have.get("kev")
     out.update(headline(kev["runs"] if kev else [], args.clients))
     out["sweep"] = kev["runs"] if kev else []
@@ -119,9 +126,54 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
     return out
 
 
+def service_overrides(args) -> dict:
+    """The settings bench/load_compare.py was told to give the services beyond the harness's own
+    (device, bank memory, document limit, metrics ports, torch threads); {} when none."""
+    given = {"bank_env": dict(getattr(args, "bank_env", [])), "scorer_env": dict(getattr(args, "scorer_env", [])),
+             "bank_flags": list(getattr(args, "bank_flag", [])), "scorer_flags": list(getattr(args, "scorer_flag", []))}
+    return {k: v for k, v in given.items() if v}
+
+
 def write_quietly(path: Path, obj) -> None:
     """JSON to `path` through a temporary file and a rename: a kill never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(json_safe(obj), indent=2))
     tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the start-up breakdown from a service log
+
+_PATTERNS = {
+    "weights_s": r"(?:weights loaded in|model \S+ loaded in|loaded \S+ on \S+ in) ([\d.]+) s",
+    "class_warm_up_s": r"(?:autotune classes .* warmed|warmed \d+ padded shapes \(rows x width\)) in ([\d.]+) s",
+    "graph_capture_s": r"captured \d+ CUDA graphs in ([\d.]+) s",
+    "graphs": r"captured (\d+) CUDA graphs in",
+}
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_READY = re.compile(r"serving kev\.v1\.Bank|serving \(ready after|serving on ")
+
+
+def startup_breakdown(log_text: str) -> dict[str, float | int | None]:
+    """Seconds a service spent on its weights, the autotune class warm-up and the start-up graph
+    captures, and from its first log line to SERVING (`ready_s`); None where the log does not say."""
+    out: dict[str, float | int | None] = {}
+    for name, pattern in _PATTERNS.items():
+        m = re.search(pattern, log_text)
+        out[name] = None if m is None else (int(m.group(1)) if name == "graphs" else float(m.group(1)))
+    stamps = [(m.group(1), line) for line in log_text.splitlines() if (m := _STAMP.match(line))]
+    ready = next((t for t, line in stamps if _READY.search(line)), None)
+    if stamps and ready is not None:
+        fmt = "%Y-%m-%d %H:%M:%S,%f"
+        out["ready_s"] = round((datetime.strptime(ready, fmt) - datetime.strptime(stamps[0][0], fmt)).total_seconds(), 1)
+    else:
+        out["ready_s"] = None
+    return out
+
+
+def format_breakdown(name: str, b: dict) -> str:
+    show = lambda v: "?" if v is None else f"{v:.0f} s" if isinstance(v, float) else str(v)  # noqa: E731
+    return (f"{name}: ready {show(b.get('ready_s'))} (weights {show(b.get('weights_s'))}, class warm-up "
+            f"{show(b.get('class_warm_up_s'))}, {show(b.get('graphs'))} graphs captured in "
+            f"{show(b.get('graph_capture_s'))})")

@@ -8,14 +8,26 @@ the `<state>` delimiter included), a row of R tokens is `<q> ... <decide>` with 
 |---|---|---|---|---|
 | six-short | 48 | 6 | 32 | new each request |
 | five-long | 2,200 | 5 | 32 | new each request |
-| mixed | 32-512, log-uniform | 1-6 | 16-64 | 30% repeat an earlier document |
+| mixed | 32-512, log-uniform | 1-6 | 16-64, uniform | 30% repeat an earlier document |
 | longdoc | 16,384 or 61,440 | 1-3 | 32 | new each request |
+| six-short-varied | 48 | 6 | 16-64, log-uniform (mean 34.6) | new each request |
+| five-long-varied | 2,200 | 5 | 16-64, log-uniform (mean 34.6) | new each request |
+| varied | 32-4,096, log-uniform (mean 838) | 1-8 | 12-128, log-uniform (mean 49); floor 12 for every kind | 30% repeat an earlier document |
+
+Log-uniform lengths (the length's logarithm uniform): as many rows of 12-24 tokens as of 64-128, so
+short rows are the common case and long ones are there too, and no single length dominates the
+way six-short's 32 does. The varied rows run from a bare yes/no question to a choice whose options
+carry descriptions: descriptions grow with a row over 64 tokens and instructions fill the rest.
+Every kind (noul, choice, score) reaches both 12 and 128 tokens: its shortest row is 9 tokens
+(`<q>`, one word, two one-word options, `<decide>`), so no kind's floor rises above 12. A stream
+measures that shortest row under the served tokenizer (`TextMaker.min_row_tokens`) and raises
+a kind's floor to it where a tokenizer makes it longer.
 
 Text is random words that the tokenizer encodes as one token each, wherever they stand, so a
 document's ids are known without encoding it (the first requests of a stream and every comparison
 sample are re-encoded with the prompt builder to prove it); rows are measured with the prompt
 builder and their instructions trimmed or extended until exact (a row that cannot be made exact
-raises). Question types cycle noul / choice / score.
+raises). Question types cycle noul / choice / score from a random first one.
 `Workload.scaled(f)` shrinks documents for CPU runs (CI); rows keep their lengths.
 """
 
@@ -45,8 +57,12 @@ class Workload:
     doc_tokens: tuple[int, ...] = ()  # one of these (uniformly), or
     doc_range: tuple[int, int] | None = None  # log-uniform in [lo, hi]
     questions: tuple[int, int] = (1, 1)  # per request, uniform in [lo, hi]
-    row_tokens: tuple[int, int] = (32, 32)  # per row, uniform in [lo, hi]
+    row_tokens: tuple[int, int] = (32, 32)  # per row, in [lo, hi]
+    row_spread: str = "uniform"  # of row lengths in row_tokens: uniform | log-uniform
     repeat_share: float = 0.0  # share of requests that reuse an earlier document
+    # Questions made per (kind, row length); a workload of many row lengths needs fewer of each
+    # to vary, and each costs ~0.3 ms of client CPU to make.
+    question_variants: int = 16
 
     def scaled(self, factor: float) -> "Workload":
         """Documents `factor` times as long (at least 8 tokens); for CPU runs."""
@@ -58,9 +74,24 @@ class Workload:
 
     def pick_doc_tokens(self, rng: random.Random) -> int:
         if self.doc_range is not None:
-            lo, hi = self.doc_range
-            return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+            return log_uniform(rng, *self.doc_range)
         return rng.choice(self.doc_tokens)
+
+    def pick_row_tokens(self, rng: random.Random, floor: int) -> int:
+        """A row length in [max(lo, floor), hi]: `floor` is the kind's shortest row."""
+        lo, hi = max(self.row_tokens[0], floor), self.row_tokens[1]
+        return log_uniform(rng, lo, hi) if self.row_spread == "log-uniform" else rng.randint(lo, hi)
+
+    def row_lengths(self, floor: int) -> range:
+        return range(max(self.row_tokens[0], floor), self.row_tokens[1] + 1)
+
+    @property
+    def longest_document(self) -> int:
+        return self.doc_range[1] if self.doc_range is not None else max(self.doc_tokens)
+
+
+def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
 WORKLOADS = {
@@ -70,6 +101,12 @@ WORKLOADS = {
         Workload("five-long", doc_tokens=(2200,), questions=(5, 5), row_tokens=(32, 32)),
         Workload("mixed", doc_range=(32, 512), questions=(1, 6), row_tokens=(16, 64), repeat_share=0.3),
         Workload("longdoc", doc_tokens=(16384, 61440), questions=(1, 3), row_tokens=(32, 32)),
+        Workload("six-short-varied", doc_tokens=(48,), questions=(6, 6), row_tokens=(16, 64),
+                 row_spread="log-uniform", question_variants=4),
+        Workload("five-long-varied", doc_tokens=(2200,), questions=(5, 5), row_tokens=(16, 64),
+                 row_spread="log-uniform", question_variants=4),
+        Workload("varied", doc_range=(32, 4096), questions=(1, 8), row_tokens=(12, 128), row_spread="log-uniform",
+                 repeat_share=0.3, question_variants=4),
     )
 }
 
@@ -113,7 +150,7 @@ class TextMaker:
 
     def question(self, rng: random.Random, kind: api.QuestionType, tokens: int) -> api.Question:
         """A question of `kind` whose row is exactly `tokens` ids."""
-        options = self._options(rng, kind)
+        options = self._options(rng, kind, tokens)
         row = lambda instr_words: self._build(kind, self.text(rng, instr_words), options)  # noqa: E731
         # Fewer or plainer options until one word of instructions fits.
         while self._row_len(row(1)) > tokens:
@@ -129,12 +166,23 @@ class TextMaker:
             words = max(1, words + tokens - n)
         raise ValueError(f"could not make a {kind.value} row of exactly {tokens} tokens")
 
+    def min_row_tokens(self, kind: api.QuestionType) -> int:
+        """The shortest row of `kind`: one word of instructions, two options without descriptions."""
+        plainest = {api.QuestionType.NOUL: [("no", None), ("yes", None)],
+                    api.QuestionType.CHOICE: [(w, None) for w in self.words[:2]],
+                    api.QuestionType.SCORE: [("", "")] * 2}[kind]
+        return self._row_len(self._build(kind, self.words[0], plainest))
+
     def _row_len(self, q: api.Question) -> int:
         return len(self.builder.row_tokens(q).ids)
 
-    def _options(self, rng: random.Random, kind: api.QuestionType) -> list[tuple[str, str | None]]:
-        """(label, description) pairs: noul (false, true), choice (name, desc), score (-, level desc)."""
-        desc = lambda: self.text(rng, rng.randint(1, 2)) if rng.random() < 0.5 else None  # noqa: E731
+    def _options(self, rng: random.Random, kind: api.QuestionType, tokens: int) -> list[tuple[str, str | None]]:
+        """(label, description) pairs: noul (false, true), choice (name, desc), score (-, level desc).
+        Descriptions run to 2 words, more in rows over 64 tokens (up to 18 at 128): long rows
+        carry long options, not only long instructions. Rows of 64 tokens or fewer draw exactly
+        what they drew before the varied workloads: the older workloads' requests are unchanged."""
+        most = 2 + max(0, tokens - 64) // 4
+        desc = lambda: self.text(rng, rng.randint(1, most)) if rng.random() < 0.5 else None  # noqa: E731
         if kind is api.QuestionType.NOUL:
             return [("no", desc()), ("yes", desc())]
         if kind is api.QuestionType.CHOICE:
@@ -206,6 +254,17 @@ class RequestStream:
         # Questions come from a fixed set per (type, row length): rows re-run on every request
         # anyway, and building one costs ~0.4 ms of client CPU that would cap the offered load.
         self._questions: dict[tuple[str, api.QuestionType, int], list[api.Question]] = {}
+        self.row_floor = {kind: maker.min_row_tokens(kind) for kind in self.TYPES}
+        if too_long := {k.value: n for k, n in self.row_floor.items() if n > workload.row_tokens[1]}:
+            raise ValueError(f"{workload.name}: the shortest rows {too_long} are over {workload.row_tokens[1]} tokens")
+
+    def prepare(self) -> None:
+        """Makes every question the stream can send now, so that no client waits for one under the
+        lock mid-run (varied: 3 kinds x 117 row lengths)."""
+        with self._lock:
+            for kind in self.TYPES:
+                for tokens in self.workload.row_lengths(self.row_floor[kind]):
+                    self._question_set(str(self.seed), kind, tokens)
 
     def next(self) -> LoadRequest:
         with self._lock:
@@ -236,16 +295,18 @@ class RequestStream:
         first = rng.randrange(3)
         questions, rows = {}, 0
         for j in range(rng.randint(*w.questions)):
-            kind, tokens = self.TYPES[(first + j) % 3], rng.randint(*w.row_tokens)
+            kind = self.TYPES[(first + j) % 3]
+            tokens = w.pick_row_tokens(rng, self.row_floor[kind])
             questions[f"q{j}"] = rng.choice(self._question_set(question_seed, kind, tokens))
             rows += tokens
         request = api.ScoreRequest(text, questions)
         return LoadRequest(request, wire.request_to_proto(request).SerializeToString(),
                            document_key(self.model_id, ids), len(ids), rows, repeat)
 
-    def _question_set(self, seed: str, kind: api.QuestionType, tokens: int, size: int = 16) -> list[api.Question]:
+    def _question_set(self, seed: str, kind: api.QuestionType, tokens: int) -> list[api.Question]:
         key = (seed, kind, tokens)
         if key not in self._questions:  # callers hold the lock
             rng = random.Random(f"{seed}:{kind.value}:{tokens}")
-            self._questions[key] = [self.maker.question(rng, kind, tokens) for _ in range(size)]
+            self._questions[key] = [self.maker.question(rng, kind, tokens)
+                                    for _ in range(self.workload.question_variants)]
         return self._questions[key]

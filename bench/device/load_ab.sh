@@ -32,8 +32,9 @@ find "$root" -name 'triton_cache.txz.part*' -not -path "$last/*" -delete
 python3 - "$root" "$workload" "$flags_a" "$flags_b" <<'EOF' | tee "$root/load_ab.md"
 import json, pathlib, sys
 root, workload, flags = pathlib.Path(sys.argv[1]), sys.argv[2], {"a": sys.argv[3], "b": sys.argv[4]}
-print(f"| run | flags | req/s | p50 ms | p99 ms | errors | rows / pass | row worker launch / wait | launch cpu | state launch / wait / cpu |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print(f"| run | flags | req/s | p50 ms | p99 ms | errors | tokens/s | of matmul ceiling | eager passes | rows / pass | row worker launch / wait | launch cpu | state launch / wait / cpu |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+show = lambda v, fmt: "n/a" if v is None else format(v, fmt)
 for d in sorted(root.glob("[ab]_*"), key=lambda p: (int(p.name.split("_")[1]), p.name)):
     f = d / f"load_{workload}.json"
     if not f.exists():
@@ -43,7 +44,8 @@ for d in sorted(root.glob("[ab]_*"), key=lambda p: (int(p.name.split("_")[1]), p
     w, s = r["sweep"][-1].get("row_worker_share", {}), r["sweep"][-1].get("row_launch_share", {})
     b = r["sweep"][-1].get("state_worker_share", {})
     print(f"| {d.name} | {flags[d.name[0]] or '(none)'} | {r['requests_per_s']:.1f} | {r['p50_ms']:.0f} | "
-          f"{r['p99_ms']:.0f} | {r['error_count']} | {r['rows_per_pass']:.1f} | "
+          f"{r['p99_ms']:.0f} | {r['error_count']} | {show(r.get('tokens_per_s'), '.0f')} | "
+          f"{show(r.get('ceiling_fraction'), '.1%')} | {show(r.get('eager_passes_after_warmup'), 'd')} | {r['rows_per_pass']:.1f} | "
           f"{w.get('launch', 0):.2f} / {w.get('device_wait', 0):.2f} | {s.get('cpu', float('nan')):.2f} | "
           f"{b.get('launch', float('nan')):.2f} / {b.get('device_wait', float('nan')):.2f} / {b.get('cpu', float('nan')):.2f} |")
 EOF

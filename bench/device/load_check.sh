@@ -2,7 +2,8 @@
 # Issue 7's load comparison in one device call: the carried wheels installed, redis-server on PATH,
 # GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
 # that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
-# keeps what it measured). Everything lands in $OUT: load_<workload>.json (+ .png when the run
+# keeps what it measured). The services start with their defaults (no start-up plan fitted to the
+# workload: bench/load_compare.py). Everything lands in $OUT: load_<workload>.json (+ .png when the run
 # completes), load_compare.log, gpu_util.csv, and triton_cache.txz.part*: Triton's compile cache (not
 # its autotune results, except the baseline's) at the end (bench/device/triton_cache.sh). Carried into the
 # next call, it spares the services their kernel compiles (about a minute of each load call's start-up,

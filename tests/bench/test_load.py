@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -101,6 +100,11 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert bank["launch"] + bank["device_wait"] == pytest.approx(run["state_worker_busy"], rel=0.02)
     assert bank["launch"] > 0 and 0 < bank["cpu"] <= bank["launch"] * 1.02
     assert run["new_document_acquire_ms"] >= run["state_pass_ms"] * 0.5  # an Acquire waits for its pass
+    # New documents every request: 48 document + 6 x 32 row tokens each. No GPU: no matmul rate, no
+    # ceiling, no CUDA-graph counters (the services export none on a CPU).
+    assert run["tokens_per_s"] == pytest.approx(240 * run["requests_per_s"])
+    assert run["matmul_tflops"] is None and run["ceiling_fraction"] is None
+    assert run["eager_passes_after_warmup"] is None and run["eager_passes_by_service"] == {"scorer": None, "bank": None}
 
 
 def test_baseline_answers_match_the_engine(checkpoint):
@@ -299,26 +303,17 @@ def test_baseline_batcher_splits_a_batch_that_runs_out_of_memory_and_caps_later_
         batcher.stop()
 
 
-def test_start_up_plans_follow_the_workloads():
-    from bench.load_startup import (bank_avg_doc_tokens, baseline_warm_min_rows, baseline_warm_rows,
-                                    baseline_warm_widths, doc_plan, longest_document, row_plan, startup_breakdown)
+def test_baseline_warm_shapes_and_the_start_up_breakdown():
+    from bench.load_compare import baseline_warm_shapes
+    from bench.load_report import startup_breakdown
 
-    six, five, mixed = WORKLOADS["six-short"], WORKLOADS["five-long"], WORKLOADS["mixed"]
-    assert row_plan([six]) == "1x32,2x32,3x32,4x32,5x32,6x32,7x32,8x32,12x32,16x32,24x32,32x32,40x32,48x32,56x32,64x32,72x32,80x32,88x32,96x32"
-    assert doc_plan([six]) == "1x48,2x48,4x48,6x48,8x48,12x48,16x48,24x48,32x48,48x48,64x48"
-    assert doc_plan([five]) == "1x2208,2x2208,4x2208,6x2208"
-    two_lengths = row_plan([mixed, WORKLOADS["longdoc"]]).split(",")  # 40 buckets would not start a scorer
-    assert len(two_lengths) == 32 and two_lengths[19] == "96x64" and two_lengths[20:23] == ["1x32", "2x32", "3x32"]
-    both = doc_plan([six, five]).split(",")
-    assert len(both) == 15 and both[:4] == ["1x48", "1x2208", "2x48", "2x2208"]
-    assert len(doc_plan([mixed, six, five], limit=20).split(",")) == 20
-    assert doc_plan([WORKLOADS["longdoc"]]) == "none"  # 16k / 61k documents run the plain Passes
-    assert longest_document([six, five]) == 2200 and longest_document([mixed]) == 512
-    assert bank_avg_doc_tokens([six, five]) == 2200 and bank_avg_doc_tokens([mixed]) == 2048
-    assert bank_avg_doc_tokens([WORKLOADS["longdoc"]]) == 38912
-    assert baseline_warm_widths([six, five]) == [80, 2232] and baseline_warm_rows([five], [1, 8, 64]) == 320
-    assert baseline_warm_min_rows([five]) == 5 and baseline_warm_min_rows([six, five]) == 5
-    assert baseline_warm_min_rows(list(WORKLOADS.values())) == 1
+    six, five = WORKLOADS["six-short"], WORKLOADS["five-long"]
+    # widths: document + row; rows: one request's questions up to 64 requests' at the sweep's widest
+    assert baseline_warm_shapes([six, five], [1, 8, 64]) == ([80, 2232], 384, 5)
+    assert baseline_warm_shapes([five], [1, 8]) == ([2232], 40, 5)
+    assert baseline_warm_shapes([WORKLOADS["mixed"]], [64]) == ([48, 96, 528, 576], 384, 1)
+    assert baseline_warm_shapes([WORKLOADS["six-short-varied"]], [64])[0] == [64, 112]  # varied rows: both ends
+    assert baseline_warm_shapes([WORKLOADS["varied"]], [64]) == ([44, 160, 4108, 4224], 512, 1)
     log_text = "\n".join([
         "2026-11-29 11:40:00,000 INFO bank_service: config {}",
         "2026-11-29 11:40:31,500 INFO bank_service.server: weights loaded in 31.5 s",
@@ -329,84 +324,6 @@ def test_start_up_plans_follow_the_workloads():
     assert startup_breakdown(log_text) == {"weights_s": 31.5, "class_warm_up_s": 38.2, "graph_capture_s": 9.9,
                                            "graphs": 11, "ready_s": 81.0}
     assert startup_breakdown("nothing")["ready_s"] is None
-
-
-ROW_CLASSES = "rows_few,rows_mid,rows_wide"
-
-
-def test_warm_plan_follows_the_workloads():
-    from bench.load_startup import warm_plan
-    from kev.exec.plan import DEFAULT_DOC_BUCKETS, DEFAULT_ROW_BUCKETS
-
-    six, five, mixed, longdoc = (WORKLOADS[w] for w in ("six-short", "five-long", "mixed", "longdoc"))
-    # (scorers, bank). Scorers: 1..96 rows of <= 128 tokens are the three row classes.
-    # six-short's bank: 1..64 x 64-token state buckets, row-like: no document class to warm
-    assert warm_plan([six]) == (ROW_CLASSES, ROW_CLASSES)
-    # five-long's: 1..6 x 2,304 (docs_few up to 4, docs_wide 6), and rows_few for the start-up warm-up passes
-    assert warm_plan([five]) == (ROW_CLASSES, "rows_few,docs_few,docs_wide")
-    # mixed: 32..512 tokens, every bucket between (64..512), every count: all five
-    assert warm_plan([mixed]) == (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few,docs_wide")
-    # longdoc: no state bucket; 16,384 / 61,440 tokens run alone as 8,192-token chunks: 1 x 8,192
-    assert warm_plan([longdoc]) == (ROW_CLASSES, "rows_few,docs_few")
-    assert warm_plan([six, longdoc]) == (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few")
-    # a range whose small end allows more documents than its large end: 1..64 x 256 are docs_wide
-    assert warm_plan([replace(mixed, doc_range=(200, 4000))])[1] == "rows_few,docs_few,docs_wide"
-    # documents a little over the longest bucket: up to three a pass, still docs_few; scaled longdoc
-    assert warm_plan([replace(longdoc, doc_tokens=(5000,))])[1] == "rows_few,docs_few"
-    assert warm_plan([longdoc.scaled(0.1)])[1] == "rows_few,docs_few,docs_wide"  # 1,638: up to 8 x 2,048
-    # the start-up buckets count too (the services' defaults reach every class), and fewer rows per pass
-    assert warm_plan([longdoc], DEFAULT_ROW_BUCKETS, DEFAULT_DOC_BUCKETS)[1] == \
-        "rows_few,rows_mid,rows_wide,docs_few,docs_wide"
-    assert warm_plan([six], "none", "1x2048") == (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few")
-    assert warm_plan([six], max_rows_per_pass=8) == ("rows_few", ROW_CLASSES)
-
-
-def test_load_compare_passes_the_warm_classes(monkeypatch):
-    from bench import load_compare
-
-    def defaults(workload, warm="auto", graph_docs="auto", **kw):
-        args = SimpleNamespace(scale=1.0, graph_rows="auto", graph_docs=graph_docs, warm_classes=warm,
-                               gathered_max_prefix_tokens=None, sweep=None, clients=8, **kw)
-        load_compare.apply_startup_defaults(args, [workload])
-        return args
-
-    def warms(args):
-        return args.scorer_warm_classes, args.bank_warm_classes
-
-    assert {w: warms(defaults(w)) for w in WORKLOADS} == {
-        "six-short": (ROW_CLASSES, ROW_CLASSES), "five-long": (ROW_CLASSES, "rows_few,docs_few,docs_wide"),
-        "mixed": (ROW_CLASSES, "rows_few,rows_mid,rows_wide,docs_few,docs_wide"),
-        "longdoc": (ROW_CLASSES, "rows_few,docs_few")}
-    # --graph-docs default: the bank captures its own 13 buckets, so it warms their classes too
-    assert warms(defaults("six-short", graph_docs="default"))[1] == "rows_few,rows_mid,rows_wide,docs_few,docs_wide"
-    assert warms(defaults("six-short", warm="rows_few")) == ("rows_few", "rows_few")  # one setting for all
-    assert warms(defaults("six-short", warm="default")) == ("default", "default")  # not passed: see below
-    with pytest.raises(ValueError, match="unknown autotune class"):
-        defaults("six-short", warm="rows")
-
-    made = []
-
-    class Stopped(Exception):
-        pass
-
-    class FakeStack:
-        def __init__(self, checkpoint, **kw):
-            made.append(kw)
-
-        def start(self):
-            raise Stopped
-
-    monkeypatch.setattr(load_compare, "Stack", FakeStack)
-    run = dict(device="cuda", bank_gb=1.0, max_document_tokens=65536, avg_doc_tokens=2048, bank_flag=[],
-               scorer_flag=[], torch_threads=1)
-    for warm, scorer, bank in (("auto", ROW_CLASSES, ROW_CLASSES), ("default", None, None)):
-        args = defaults("six-short", warm, **run)
-        with pytest.raises(Stopped):
-            load_compare.start_stack(Path("/ckpt"), args)
-        # scorer_env: every scorer of the stack, the gathered one too (Stack.add_scorer)
-        assert made[-1]["scorer_env"].get("KEV_WARM_CLASSES") == scorer
-        assert made[-1]["bank_env"].get("KEV_WARM_CLASSES") == bank
-        assert made[-1]["bank_env"]["KEV_GRAPH_DOCS"] == args.graph_docs
 
 
 def test_each_system_runs_its_own_sweep_or_the_common_one():
