@@ -17,10 +17,9 @@ runs them in the same pass shapes): `gathered` reads the very states `kev`'s sam
 their probabilities must be bit-identical; the baseline's largest difference from the project's is
 recorded (bf16 on GPU: not expected to be zero).
 
-The bank and the kev scorer start with their defaults: no start-up plan (KEV_GRAPH_ROWS,
-KEV_GRAPH_DOCS, KEV_WARM_CLASSES, KEV_MAX_GRAPHS) and no bank layout (`--avg-doc-tokens`) fitted to
-the workload, only what the harness always sets (device, bank memory, the document limit, metrics
-ports, torch threads). A figure then says how the defaults serve traffic they were not fitted to.
+The bank and the kev scorer start with their defaults: no start-up plan (KEV_CUDA_GRAPHS,
+KEV_WARM_CLASSES) and no bank layout (`--avg-doc-tokens`) fitted to the workload, only what the
+harness always sets (device, bank memory, the document limit, metrics ports, torch threads). A figure then says how the defaults serve traffic they were not fitted to.
 `--bank-env` / `--scorer-env KEY=VAL` and `--bank-flag` / `--scorer-flag` remain for experiments;
 any of them makes the results say `"default_startup": false` (and list them in `service_overrides`).
 The gathered scorer's prefix buffer (`--gathered-max-prefix-tokens`, default the longest document)
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bank-flag", action="append", default=[], help="extra bank_service flag (repeatable)")
     p.add_argument("--scorer-flag", action="append", default=[], help="extra flag of every scorer (repeatable)")
     p.add_argument("--bank-env", action="append", type=parse_env, default=[], metavar="KEY=VAL",
-                   help="extra bank_service setting, e.g. KEV_GRAPH_DOCS=1x48 (repeatable)")
+                   help="extra bank_service setting, e.g. KEV_CUDA_GRAPHS=0 (repeatable)")
     p.add_argument("--scorer-env", action="append", type=parse_env, default=[], metavar="KEY=VAL",
                    help="extra setting of every scorer, e.g. KEV_WARM_CLASSES=none (repeatable)")
     add_run_args(p)

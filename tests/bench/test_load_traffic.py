@@ -195,7 +195,7 @@ def test_the_load_test_starts_the_services_with_their_defaults(monkeypatch, tmp_
     assert results["default_startup"] is True and "service_overrides" not in results
     for script in ("load_check.sh", "load_ab.sh"):  # the device drivers add none either
         text = (ROOT / "bench/device" / script).read_text()
-        assert not any(s in text for s in ("KEV_GRAPH", "KEV_WARM", "graph-rows", "graph-docs", "warm-classes"))
+        assert not any(s in text for s in ("KEV_GRAPH", "KEV_CUDA_GRAPHS", "KEV_WARM", "graph-rows", "graph-docs", "warm-classes", "avg-doc"))
 
     stack, results = start_driver(monkeypatch, tmp_path, checkpoint, "--scorer-env", "KEV_WARM_CLASSES=none",
                                   "--bank-flag=--max-wait-ms=1")
