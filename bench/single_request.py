@@ -6,8 +6,9 @@ not in the bank, and it and the rows go through one sweep over the weights
 (`sweep`, what the engine runs); `two_pass_new_ms`: the same as a state pass, then a
 row pass (side by side); `cached_ms` = row pass only. Wall time from the host call to the GPU
 being done (row batch built and copied in, the passes, one sync), medians of alternating reps.
-Every class the passes use is warmed and every bucket captured before timing (`warm_up`,
-`GraphCache.capture`). The same passes eager (no graphs) are reported beside them.
+Every class the passes use is warmed and the keys they use captured before timing (`warm_up`,
+`GraphCache.capture`; the key ladders are the services' default pass caps, `GraphPlan()`). The same
+passes eager (no graphs) are reported beside them.
 `new_replay_only_ms`: the new request's sweep graph replayed alone (no batch to build, no buffers
 to fill), back to back, so on a GPU kept busier than between alternating reps; `new_issue_ms`: the
 host time until a new request's call returns (its GPU work queued, not waited for): the host's part
@@ -33,14 +34,15 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import kev4b_config, random_model, run_info, write_json
 from kev.bank.bank import Bank, BankHandle
-from kev.exec.graphs import CapturePolicy, GraphCache
+from kev.exec.graphs import GraphCache, KeyLadder
+from kev.exec.plan import GraphPlan
 from kev.ops.shapes import ShapeClass
 from kev.ops.autotune import serving_tuner
 from kev.exec.warm_up import warm_up
 from kev.ops.triton_ops import TritonOps
 from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
-from kev.exec.static_pass import SweepKey
+from kev.exec.static_pass import PassKind, SweepKey
 
 WORKLOADS = {"six-short": (48, 6, 32), "five-long": (2200, 5, 32)}  # doc tokens, rows, row tokens
 
@@ -106,13 +108,15 @@ def measure(args, cfg, model, bank, profiles) -> dict:
     runner.state_pass([torch.randint(0, cfg.vocab_size, (2200,), generator=gen).tolist()], [prime])
     warm_up(runner, [ShapeClass.ROWS_FEW], row_slot=prime.slot, row_prefix=2200)
     warm_s = time.perf_counter() - t0
-    graphed = runner.with_graphs(GraphCache(policy=CapturePolicy.WARMUP_ONLY))
+    plan = GraphPlan()  # the services' default pass caps: the scorer's rows, the bank's documents
+    graphed = runner.with_graphs(GraphCache(rows=KeyLadder(PassKind.ROWS, plan.row_tokens, plan.row_seqs),
+                                            states=KeyLadder(PassKind.STATE, plan.state_tokens, plan.state_seqs)))
     result = {"warm_up_s": warm_s}
     kept = [prime]
     for name, (doc_tokens, n_rows, row_tokens) in WORKLOADS.items():
         doc = torch.randint(0, cfg.vocab_size, (doc_tokens,), generator=gen).tolist()
         rows = [torch.randint(0, cfg.vocab_size, (row_tokens,), generator=gen).tolist() for _ in range(n_rows)]
-        state_key, row_key = graphed.graphs.buckets.state_key(1, doc_tokens), graphed.graphs.buckets.row_key(n_rows, row_tokens, n_rows)
+        state_key, row_key = graphed.graphs.state_key([doc_tokens]), graphed.graphs.rows.key_for([row_tokens] * n_rows)
         keys = [SweepKey(state_key, row_key), state_key, row_key]
         t0 = time.perf_counter()
         graphed.graphs.capture(graphed, keys)

@@ -2,9 +2,10 @@
 
 Kev-4B shapes, random bf16 weights, the served path: fused projections, `TritonOps`, a `Passes`
 with the shape-class autotune caches warmed at start-up (`warm_up`, the documents' classes).
-16 new documents of 2,048 tokens go into the bank through `Passes.state_pass` in one pass (16
-documents fit no CUDA-graph bucket, whose largest holds 4: the bank service runs this pass eagerly),
-timed with CUDA events from the host call to the GPU done (host gaps included), medians of `--reps`.
+16 new documents of 2,048 tokens go into the bank through `Passes.state_pass` in one eager pass
+(32,768 tokens: beyond the bank's default pass cap, --max-pass-tokens 16,384, where its CUDA-graph
+keys stop; the bank would split them into passes of at most that, each a graph replay), timed
+with CUDA events from the host call to the GPU done (host gaps included), medians of `--reps`.
 floor = 2 x non-embedding params x tokens / the bf16 matmul rate measured in this run;
 efficiency = floor / measured.
 
@@ -112,7 +113,7 @@ def main():
     measured = statistics.median(times)
     result = {**info, "docs": args.docs, "doc_tokens": args.doc_tokens, "measured_ms": measured, "floor_ms": floor,
               "efficiency": floor / measured, "times_ms": times, "reps": args.reps,
-              "shape_class": classify(args.docs, tokens).value, "tokens_per_s": tokens / measured * 1e3,
+              "shape_class": classify(tokens, rows=False).value, "tokens_per_s": tokens / measured * 1e3,
               "docs_peak_bytes": docs_peak, "docs_peak_bound_bytes": runner.state_pass_peak_bytes([args.doc_tokens] * args.docs),
               "states_deterministic": deterministic}
     if args.profile_out:

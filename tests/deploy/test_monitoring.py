@@ -14,6 +14,7 @@ import yaml
 from bank_service.metrics import BankMetrics
 from kev.bank.bank import BankStats
 from kev.exec.graphs import GraphStats
+from kev.serving.graph_metrics import GraphCollector
 from scorer_service.metrics import ScorerMetrics
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
@@ -26,6 +27,7 @@ def exported() -> set[str]:
     scorer.watch_graphs(GraphStats)  # CUDA's graph counters (on CPU nothing is exported for them)
     fields = {f: 0 for f in BankStats.__dataclass_fields__}
     bank = BankMetrics(lambda: BankStats(**fields))
+    bank.registry.register(GraphCollector("kev_bank", GraphStats))  # as bank_service/server.py does on CUDA
     names = set()
     for registry in (scorer.registry, bank.registry):
         for family in registry.collect():
@@ -44,7 +46,8 @@ def test_dashboard_parses_and_names_exported_metrics():
     assert used - exported() == set()
     for needed in ("kev_scorer_requests_seconds_bucket", "kev_scorer_queue_depth", "kev_scorer_rows_per_pass_sum",
                    "kev_scorer_tokens_per_pass_sum", "kev_scorer_graph_padding_tokens_total",
-                   "kev_scorer_graph_passes_total", "kev_bank_slots_used", "kev_scorer_bank_lookups_total",
+                   "kev_scorer_graph_passes_total", "kev_bank_graph_passes_total",
+                   "kev_bank_graph_padding_tokens_total", "kev_bank_slots_used", "kev_scorer_bank_lookups_total",
                    "kev_bank_evictions_total", "kev_scorer_pins_held", "kev_scorer_lease_renewals_total"):
         assert needed in used, needed
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])

@@ -1,10 +1,12 @@
-"""The CUDA-graph bucket layouts through the Triton kernels, under TRITON_INTERPRET=1 on CPU.
+"""The CUDA-graph key layout through the Triton kernels, under TRITON_INTERPRET=1 on CPU.
 
-The conv, delta-rule and attention kernels (TritonOps, with the static chunk lists a bucket pins)
+The conv, delta-rule and attention kernels (TritonOps, with the static chunk lists a key pins)
 give bit-identical outputs for the real tokens, and store bit-identical states, when a pass is
-padded into a bucket: rows padded at their end to L over two chunks (ROWS), and documents each
-followed by a padding sequence, with empty sequences and no-op chunks (STATE). The same check at
-the real head dims runs on the GPU (tests/exec/test_graphs_gpu.py). Three cases: the interpreter is slow.
+packed into a key (kev.exec.static_pass): its sequences end to end as in the unpadded pass (the
+real tokens first), then empty sequences and one padding sequence up to T tokens that reads
+nothing and writes nowhere, and no-op entries filling the chunk lists to C. Rows (ROWS), new
+documents and continuing chunks that read their slot (STATE). The same check at the real head
+dims runs on the GPU (tests/exec/test_graphs_gpu.py). Few cases: the interpreter is slow.
 """
 
 import pytest
@@ -12,9 +14,8 @@ import torch
 
 from kernel_support import make_pools, packed
 from kev.ops.meta import PassMeta
-from kev.exec.static_pass import GraphKey, PassKind, StaticPass
+from kev.exec.static_pass import GraphKey, PassKind, StaticPass, chunks_needed
 from random_models import tiny_config
-
 
 
 def inputs(cfg, T, g):
@@ -26,20 +27,25 @@ def inputs(cfg, T, g):
                 ak=r(T, cfg.num_key_value_heads, cfg.head_dim), av=r(T, cfg.num_key_value_heads, cfg.head_dim))
 
 
-@pytest.mark.parametrize("kind,lens,L,cap", [
-    # rows: `pytest -m slow` (~15 s); the GPU suite checks row-bucket padding exact in every token-mixing kernel
-    pytest.param(PassKind.ROWS, [65, 100, 3], 128, 4, marks=pytest.mark.slow),  # two chunks per row, two padding rows
-    (PassKind.STATE, [48, 30], 64, 4),  # two empty documents, padding sequences, no-op chunks
-    # a document filling its pair (empty padding sequence), one past a chunk, one short: every kind
-    # of spare entry in the filled chunk lists (kev.exec.static_pass.pair_chunks)
-    (PassKind.STATE, [130, 70, 5], 130, 3),
-], ids=["rows", "state", "state-spare-entries"])
-def test_bucket_padding_is_bit_exact(interp, kind, lens, L, cap):
+@pytest.mark.parametrize("key,lens,starts", [
+    # rows: `pytest -m slow` (~15 s); the GPU suite checks row-key padding exact in every token-mixing kernel.
+    # Two rows over two chunks, four empty sequences, a 24-token padding sequence, a no-op entry.
+    pytest.param(GraphKey(PassKind.ROWS, 192, 8), [65, 100, 3], None, marks=pytest.mark.slow),
+    # an empty sequence, the padding sequence (50 tokens), a no-op chunk
+    (GraphKey(PassKind.STATE, 128, 4), [48, 30], None),
+    # no padding tokens (an empty padding sequence: its entries all no-ops), documents ending mid-chunk
+    (GraphKey(PassKind.STATE, 205, 8), [130, 70, 5], None),
+    # a long document's next chunk continuing the state in its slot (reads it), beside a new document:
+    # `pytest -m slow` (~30 s); tests/exec/test_graph_layout.py runs continuing chunks through the torch ops
+    pytest.param(GraphKey(PassKind.STATE, 128, 6), [40, 20], [64, 0], marks=pytest.mark.slow),
+], ids=["rows", "state", "state-spare-entries", "state-continuing"])
+def test_key_padding_is_bit_exact(interp, key, lens, starts):
     cfg = tiny_config(hv_per_h=2)
     g = torch.Generator().manual_seed(1)
-    N, key = len(lens), GraphKey(kind, cap, L, 8)
-    real, padded = inputs(cfg, sum(lens), g), inputs(cfg, key.num_tokens, g)  # random padding everywhere
-    dst = torch.tensor([n * L + t for n, m in enumerate(lens) for t in range(m)])
+    N, kind, real_tokens = len(lens), key.kind, sum(lens)
+    assert len(lens) < key.chunks and chunks_needed(lens, key.tokens) <= key.chunks  # the pass fits the key
+    real, padded = inputs(cfg, real_tokens, g), inputs(cfg, key.num_tokens, g)  # random padding everywhere
+    dst = torch.arange(real_tokens)  # packed: the real tokens first, as in the unpadded pass; the padding after
     for name in real:
         padded[name][dst] = real[name]
     weight = torch.randn(cfg.conv_dim, cfg.conv_kernel, generator=g) * 0.5
@@ -53,17 +59,23 @@ def test_bucket_padding_is_bit_exact(interp, kind, lens, L, cap):
     if kind is PassKind.ROWS:
         read, write, prefix = torch.tensor([3, 0, 6]), torch.full((N,), -1), torch.tensor([300, 5, 1100])
     else:
-        read, write, prefix = torch.full((N,), -1), torch.tensor([1, 4, 6][:N]), torch.zeros(N, dtype=torch.int64)
+        begin = torch.tensor(starts or [0] * N)
+        write = torch.tensor([1, 4, 6][:N])
+        read, prefix = torch.where(begin > 0, write, -1), begin
     meta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=write, prefix_lens=prefix,
                     block_table=table[read.clamp(min=0) if kind is PassKind.ROWS else write])
     ops = interp.triton_ops.TritonOps()
     sp = StaticPass(key, table.shape[1], interp.attn.query_block(cfg.num_attention_heads // cfg.num_key_value_heads),
                     "cpu")
+    assert sp.fits(lens)
     if kind is PassKind.ROWS:
-        zeros = torch.zeros(sum(lens), dtype=torch.int64)
+        zeros = torch.zeros(real_tokens, dtype=torch.int64)
         sp.fill_rows(zeros, cu, read, prefix, zeros, torch.zeros(0, dtype=torch.int64), table)
     else:
-        sp.fill_state([[0] * m for m in lens], write.tolist(), table)
+        sp.fill_state([[0] * m for m in lens], write.tolist(), table, starts)
+    assert sp.cu_seqlens[: N + 1].tolist() == cu.tolist() and sp.cu_seqlens[-1] == key.num_tokens
+    assert torch.equal(sp.read_slots[:N], read) and torch.equal(sp.write_slots[:N], write)
+    assert torch.equal(sp.prefix_lens[:N], prefix)
     ops.pin(sp.meta, sp.indices())
 
     def run(inp, m, pools):

@@ -18,7 +18,9 @@ from bank_service.config import ConfigError as BankConfigError
 from kev.bank.bank import Bank
 from kev.ops import get_ops
 from kev.ops.shapes import ShapeClass
-from kev.exec.plan import DEFAULT_ROW_BUCKETS, PICKS_PER_ROW, GraphPlan, PassRole, parse_doc_buckets, parse_row_buckets, parse_warm_classes
+from kev.exec.graphs import GraphCache, GraphStats, KeyLadder
+from kev.exec.plan import GraphPlan, PassRole, parse_warm_classes
+from kev.exec.static_pass import PassKind, StaticPass
 from kev.exec.passes import PassBuilder
 from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
@@ -32,18 +34,6 @@ BANK_ENV = {**SCORER_ENV, "KEV_BANK_MEMORY_BYTES": "1000000"}
 
 
 # ---- settings -------------------------------------------------------------------------------------
-
-def test_bucket_lists_parse():
-    assert parse_row_buckets("8x32, 16X64x100") == ((8, 32, 8 * PICKS_PER_ROW), (16, 64, 100))
-    assert parse_doc_buckets("1x64,2x2048") == ((1, 64), (2, 2048))
-    assert parse_row_buckets("none") == parse_doc_buckets(" None ") == ()
-    assert len(parse_row_buckets(DEFAULT_ROW_BUCKETS)) == 16
-    for bad in ("8", "8x", "8x32x4x2", "0x32", "ax32", "8x32,", ""):
-        with pytest.raises(ValueError, match="row buckets"):
-            parse_row_buckets(bad)
-    with pytest.raises(ValueError, match="document buckets"):
-        parse_doc_buckets("1x64x8")
-
 
 def test_warm_classes_parse():
     assert parse_warm_classes("all") is None and parse_warm_classes(" ALL ") is None and parse_warm_classes("") is None
@@ -59,12 +49,29 @@ def test_warm_classes_parse():
         GraphPlan(warm=("rows_few",))
 
 
+@pytest.mark.parametrize("cap", ["row_tokens", "row_seqs", "state_tokens", "state_seqs"])
+def test_graph_plan_caps_are_positive(cap):
+    with pytest.raises(ValueError, match=f"{cap} must be >= 1, got 0"):
+        GraphPlan(**{cap: 0})
+
+
 def test_warm_classes_follow_the_plan():
+    """No `warm`: the classes of the role's keys (ShapeClass order), from the plan's caps."""
     rows_only = [ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID, ShapeClass.ROWS_WIDE]
-    # no `warm`: the role's classes, as before
     assert PassBuilder(None, None, PassRole.ROWS).warm_classes == rows_only
-    assert PassBuilder(None, None, PassRole.STATES).warm_classes == list(ShapeClass)
+    # state keys of <= 256 tokens are rows_few
+    assert PassBuilder(None, None, PassRole.STATES).warm_classes == [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW,
+                                                                     ShapeClass.DOCS_WIDE]
     assert PassBuilder(None, None, PassRole.BOTH).warm_classes == list(ShapeClass)
+    for role in PassRole:  # exactly the classes of the role's keys
+        builder = PassBuilder(None, None, role)
+        used = {k.shape_class for ladder in builder.ladders() if ladder is not None for k in ladder.keys()}
+        assert builder.warm_classes == [c for c in ShapeClass if c in used]
+    small = GraphPlan(row_tokens=256, state_tokens=4096)  # smaller caps: fewer classes
+    assert PassBuilder(None, None, PassRole.ROWS, small).warm_classes == [ShapeClass.ROWS_FEW]
+    assert PassBuilder(None, None, PassRole.STATES, small).warm_classes == [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW]
+    mid = GraphPlan(row_tokens=1024, cuda_graphs=False)  # graphs off: the classes the keys would have
+    assert PassBuilder(None, None, PassRole.ROWS, mid).warm_classes == rows_only[:2]
     plan = GraphPlan(warm=(ShapeClass.DOCS_FEW, ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW))
     for role in PassRole:  # the plan's, in ShapeClass order and once each, whatever the role
         assert PassBuilder(None, None, role, plan).warm_classes == [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW]
@@ -83,23 +90,35 @@ def test_build_warms_the_plan_classes_once(monkeypatch, warm):
     monkeypatch.setattr(passes_module, "Passes", lambda *a, **k: SimpleNamespace(device="cuda"))
     monkeypatch.setattr(passes_module, "warm_up", lambda runner, classes: calls.append(list(classes)) or list(classes))
     bank = SimpleNamespace(block_table=SimpleNamespace(device=torch.device("cuda")))
-    builder = PassBuilder(None, None, PassRole.STATES, GraphPlan(max_graphs=0, warm=warm))
+    builder = PassBuilder(None, None, PassRole.STATES, GraphPlan(cuda_graphs=False, warm=warm))
     builder.build(bank)
     builder.build(bank, capture=False)
-    expected = list(ShapeClass) if warm is None else list(warm)
+    expected = [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE] if warm is None else list(warm)
     assert calls == [expected] and builder.warmed == expected
 
 
 def test_scorer_graph_settings_from_env_and_flags():
+    """The scorer's keys cover its own row-pass caps; KEV_CUDA_GRAPHS (or --cuda-graphs) turns them off."""
     default = ScorerConfig.from_env(SCORER_ENV, [])
-    assert default.graph_plan == GraphPlan(rows=parse_row_buckets(DEFAULT_ROW_BUCKETS), docs=(), max_graphs=32,
-                                           max_rows_per_pass=96)
-    env = {**SCORER_ENV, "KEV_GRAPH_ROWS": "4x32,8x64x16", "KEV_MAX_GRAPHS": "5", "KEV_MAX_ROWS_PER_PASS": "8"}
+    assert default.graph_plan == GraphPlan(cuda_graphs=True, row_tokens=8192, row_seqs=96)
+    assert (default.graph_plan.row_tokens, default.graph_plan.row_seqs) == (default.max_tokens_per_pass,
+                                                                           default.max_rows_per_pass)
+    env = {**SCORER_ENV, "KEV_MAX_TOKENS_PER_PASS": "2048", "KEV_MAX_ROWS_PER_PASS": "8", "KEV_CUDA_GRAPHS": "0"}
     got = ScorerConfig.from_env(env, []).graph_plan
-    assert got == GraphPlan(rows=((4, 32, 20), (8, 64, 16)), docs=(), max_graphs=5, max_rows_per_pass=8)
-    flagged = ScorerConfig.from_env(env, ["--graph-rows", "none", "--max-graphs", "0"])  # flags override
-    assert flagged.graph_plan.rows == () and flagged.graph_plan.max_graphs == 0
-    assert ScorerConfig.from_env(SCORER_ENV, []).redacted()["graph_rows"] == DEFAULT_ROW_BUCKETS  # logged
+    assert got == GraphPlan(cuda_graphs=False, row_tokens=2048, row_seqs=8)
+    flagged = ScorerConfig.from_env(env, ["--cuda-graphs", "on", "--max-rows-per-pass", "4"])  # flags override
+    assert flagged.graph_plan == GraphPlan(cuda_graphs=True, row_tokens=2048, row_seqs=4)
+    assert ScorerConfig.from_env(env, []).redacted()["cuda_graphs"] is False  # logged
+    assert default.redacted()["cuda_graphs"] is True
+
+
+@pytest.mark.parametrize("raw,value", [("1", True), ("on", True), ("TRUE", True), (" Yes ", True),
+                                       ("0", False), ("off", False), ("False", False), ("no", False)])
+def test_cuda_graphs_setting_in_both_services(raw, value):
+    assert ScorerConfig.from_env({**SCORER_ENV, "KEV_CUDA_GRAPHS": raw}, []).graph_plan.cuda_graphs is value
+    assert BankConfig.from_env({**BANK_ENV, "KEV_CUDA_GRAPHS": raw}, []).graph_plan.cuda_graphs is value
+    assert ScorerConfig.from_env(SCORER_ENV, ["--cuda-graphs", raw]).cuda_graphs is value
+    assert BankConfig.from_env(BANK_ENV, ["--cuda-graphs", raw]).cuda_graphs is value
 
 
 def test_scorer_warm_classes_from_env_and_flags():
@@ -114,15 +133,17 @@ def test_scorer_warm_classes_from_env_and_flags():
         ScorerConfig.from_env({**SCORER_ENV, "KEV_WARM_CLASSES": "rows"}, [])
 
 
-@pytest.mark.parametrize("env,match", [
-    ({"KEV_GRAPH_ROWS": "8by32"}, "KEV_GRAPH_ROWS"),
-    ({"KEV_MAX_GRAPHS": "-1"}, "KEV_MAX_GRAPHS"),
-    ({"KEV_MAX_GRAPHS": "many"}, "KEV_MAX_GRAPHS"),
-    ({"KEV_GRAPH_ROWS": "1x32,2x32,4x32", "KEV_MAX_GRAPHS": "2"}, "more than KEV_MAX_GRAPHS"),
-], ids=["bad-bucket", "negative", "not-a-number", "more-than-kept"])
-def test_scorer_bad_graph_settings(env, match):
+@pytest.mark.parametrize("env,argv,match", [
+    ({"KEV_CUDA_GRAPHS": "maybe"}, [], "KEV_CUDA_GRAPHS must be one of 1, on, true, yes, 0, off, false, no, "
+                                        "got 'maybe'"),
+    ({"KEV_CUDA_GRAPHS": "2"}, [], "KEV_CUDA_GRAPHS"),
+    ({}, ["--cuda-graphs", "enabled"], "KEV_CUDA_GRAPHS"),  # a flag's bad value names the variable too
+    ({"KEV_MAX_TOKENS_PER_PASS": "0"}, [], "max_tokens_per_pass must be >= 1"),
+    ({"KEV_MAX_ROWS_PER_PASS": "0"}, [], "max_rows_per_pass must be >= 1"),
+], ids=["not-a-bool", "number", "flag", "no-tokens", "no-rows"])
+def test_scorer_bad_graph_settings(env, argv, match):
     with pytest.raises(ConfigError, match=match):
-        ScorerConfig.from_env({**SCORER_ENV, **env}, [])
+        ScorerConfig.from_env({**SCORER_ENV, **env}, argv)
 
 
 def test_switch_interval_flag_in_both_services():
@@ -137,20 +158,22 @@ def test_switch_interval_flag_in_both_services():
 
 
 def test_bank_graph_settings_from_env_and_flags():
+    """The bank's keys cover its own state-pass caps; KEV_CUDA_GRAPHS (or --cuda-graphs) turns them off."""
     default = BankConfig.from_env(BANK_ENV, [])
-    assert default.graph_plan == GraphPlan(rows=(), docs=parse_doc_buckets(
-        "1x48,2x48,4x48,8x48,16x48,32x48,64x48,1x256,1x1024,1x2208,2x2208,4x2208,6x2208"), max_graphs=24)
+    assert default.graph_plan == GraphPlan(cuda_graphs=True, state_tokens=16384, state_seqs=64)
+    assert (default.graph_plan.state_tokens, default.graph_plan.state_seqs) == (default.max_pass_tokens,
+                                                                               default.max_pass_documents)
     assert default.ops_backend == "triton" and default.redacted()["ops_backend"] == "triton"
     assert BankConfig.from_env({**BANK_ENV, "KEV_DEVICE": "cpu"}, []).ops_backend == "torch"
     assert BankConfig.from_env(BANK_ENV, ["--ops", "torch"]).ops_backend == "torch"  # explicit choice wins
-    env = {**BANK_ENV, "KEV_GRAPH_DOCS": "2x512", "KEV_MAX_GRAPHS": "3"}
-    assert BankConfig.from_env(env, []).graph_plan == GraphPlan(rows=(), docs=((2, 512),), max_graphs=3)
-    flagged = BankConfig.from_env(env, ["--graph-docs", "1x64,1x128", "--max-graphs", "0"]).graph_plan
-    assert flagged == GraphPlan(rows=(), docs=((1, 64), (1, 128)), max_graphs=0)
-    for bad, match in (({"KEV_GRAPH_DOCS": "1x64x3"}, "KEV_GRAPH_DOCS"), ({"KEV_MAX_GRAPHS": "x"}, "KEV_MAX_GRAPHS"),
-                       ({"KEV_MAX_GRAPHS": "1"}, "more than KEV_MAX_GRAPHS")):
-        with pytest.raises(BankConfigError, match=match):
-            BankConfig.from_env({**BANK_ENV, **bad}, [])
+    env = {**BANK_ENV, "KEV_CUDA_GRAPHS": "off"}
+    capped = BankConfig.from_env(env, ["--max-pass-tokens", "4096", "--max-pass-documents", "8"])
+    assert capped.graph_plan == GraphPlan(cuda_graphs=False, state_tokens=4096, state_seqs=8)
+    assert capped.redacted()["cuda_graphs"] is False  # logged
+    assert BankConfig.from_env(env, ["--cuda-graphs", "1"]).graph_plan.cuda_graphs is True  # the flag overrides
+    for bad, argv in (({"KEV_CUDA_GRAPHS": "sometimes"}, []), ({}, ["--cuda-graphs", "-1"])):
+        with pytest.raises(BankConfigError, match="KEV_CUDA_GRAPHS must be one of"):
+            BankConfig.from_env({**BANK_ENV, **bad}, argv)
 
 
 def test_bank_warm_classes_from_env_and_flags():
@@ -165,32 +188,54 @@ def test_bank_warm_classes_from_env_and_flags():
         BankConfig.from_env({**BANK_ENV, "KEV_WARM_CLASSES": "docs"}, [])
 
 
-def test_start_keys_follow_the_plan():
-    from kev.exec.graphs import Buckets
-    from kev.exec.static_pass import GraphKey, PassKind
-
-    buckets = Buckets(rows=(1, 2, 4, 8, 16, 32, 64, 96, 128))  # powers of two: 3 rows pad to 4, 7 to 8
-    plan = GraphPlan(rows=((3, 20, 20), (4, 32, 20), (8, 64, 40), (128, 32, 640)), docs=((1, 100), (3, 2048)),
-                     max_graphs=8, max_rows_per_pass=7)
-    rows = PassBuilder(None, None, PassRole.ROWS, plan).start_keys(buckets)
-    # 3x20 and 4x32 are one bucket; 8 rows is the bucket of 7; 128 rows is beyond it: skipped
-    assert rows == [GraphKey(PassKind.ROWS, 4, 32, 32), GraphKey(PassKind.ROWS, 8, 64, 64)]
-    states = PassBuilder(None, None, PassRole.STATES, plan).start_keys(buckets)
-    assert states == [GraphKey(PassKind.STATE, 1, 128), GraphKey(PassKind.STATE, 4, 2048)]
-    assert len(PassBuilder(None, None, PassRole.BOTH, plan).start_keys(buckets)) == 4
-    with pytest.raises(ValueError, match="beyond the graph buckets"):
-        PassBuilder(None, None, PassRole.ROWS, GraphPlan(rows=((4, 200, 8),))).start_keys(buckets)
-    with pytest.raises(ValueError, match="at most 1 are kept"):
-        PassBuilder(None, None, PassRole.STATES, GraphPlan(docs=((1, 64), (1, 128)), max_graphs=1)).start_keys(buckets)
+def test_ladders_follow_the_plan():
+    """A role's ladders (what it captures at start-up): rows for a scorer, states for the bank,
+    both for the engine, their caps the plan's."""
+    plan = GraphPlan(row_tokens=512, row_seqs=16, state_tokens=2048, state_seqs=8)
+    rows = KeyLadder(PassKind.ROWS, 512, 16)
+    states = KeyLadder(PassKind.STATE, 2048, 8)
+    assert PassBuilder(None, None, PassRole.ROWS, plan).ladders() == (rows, None)
+    assert PassBuilder(None, None, PassRole.STATES, plan).ladders() == (None, states)
+    assert PassBuilder(None, None, PassRole.BOTH, plan).ladders() == (rows, states)
+    both = GraphCache(*PassBuilder(None, None, PassRole.BOTH, plan).ladders())
+    keys = both.all_keys()  # the start-up capture order: largest first, every key once
+    assert len(keys) == len(set(keys)) == len(rows.keys()) + len(states.keys())
+    assert keys == sorted(keys, key=lambda k: (k.tokens, k.chunks), reverse=True)
+    assert keys[0] == max(states.keys(), key=lambda k: (k.tokens, k.chunks))
 
 
-def test_default_doc_buckets_all_exist():
-    from kev.exec.graphs import Buckets
-
-    keys = PassBuilder(None, None, PassRole.STATES, BankConfig.from_env(BANK_ENV, []).graph_plan).start_keys(Buckets())
-    assert len(keys) == 13 and max(k.num_tokens for k in keys) <= Buckets().max_state_tokens
-    with pytest.raises(ValueError, match="beyond the graph buckets"):  # 8 x 2,304 > 16,384 tokens
-        PassBuilder(None, None, PassRole.STATES, GraphPlan(docs=((8, 2200),))).start_keys(Buckets())
+@pytest.mark.parametrize("service", ["scorer", "bank"])
+def test_default_ladders_cover_the_pass_caps(service):
+    """Every pass the service builds under its default pass caps has a key (so none runs outside a
+    CUDA graph once start-up has captured them); none beyond the caps."""
+    if service == "scorer":
+        cfg = ScorerConfig.from_env(SCORER_ENV, [])
+        role, tokens, seqs = PassRole.ROWS, cfg.max_tokens_per_pass, cfg.max_rows_per_pass
+    else:
+        cfg = BankConfig.from_env(BANK_ENV, [])
+        role, tokens, seqs = PassRole.STATES, cfg.max_pass_tokens, cfg.max_pass_documents
+    builder = PassBuilder(None, None, role, cfg.graph_plan)
+    ladder = next(ladder for ladder in builder.ladders() if ladder is not None)
+    keys = set(ladder.keys())
+    assert max(k.tokens for k in keys) == tokens and min(k.tokens for k in keys) == 16
+    assert len(keys) <= 250, "start-up captures every key"
+    edges = [[tokens], [1] * seqs, [tokens // seqs] * seqs, [tokens - seqs + 1] + [1] * (seqs - 1),
+             [65] * min(seqs, tokens // 65), [1]]
+    g = torch.Generator().manual_seed(4)
+    passes = []
+    for _ in range(300):
+        n = int(torch.randint(1, seqs + 1, (1,), generator=g))
+        mean = int(torch.randint(1, 2 * tokens // n + 1, (1,), generator=g))
+        lens = torch.randint(1, max(2, mean + 1), (n,), generator=g).tolist()
+        passes.append(lens)
+    for lens in edges + passes:
+        key = ladder.key_for(lens)
+        if sum(lens) > tokens:
+            assert key is None
+            continue
+        assert key in keys and key.tokens >= sum(lens) and key.chunks > len(lens), lens
+        assert StaticPass(key, 4, 16, "cpu").fits(lens)
+    assert ladder.key_for([tokens + 1]) is None and ladder.key_for([1] * (seqs + 1)) is None
 
 
 def test_gathered_scorer_caps_its_document_limit():
@@ -305,7 +350,7 @@ def test_no_capture_while_rows_are_queued(worker):
     batcher, passes, gate, running = worker()
     batcher.submit(prepared(2), lease=None)
     assert running.wait(5)  # the first pass is running, held at the gate
-    passes.pending = 3  # graphs queued (e.g. buckets used twice) while the server is busy
+    passes.pending = 3  # graphs queued (a re-attach's keys, sweeps used twice) while the server is busy
     batcher.submit(prepared(4), lease=None)  # two more passes' worth
     time.sleep(0.05)
     gate.set()
@@ -313,14 +358,16 @@ def test_no_capture_while_rows_are_queued(worker):
     assert passes.events == [("pass", 2), ("pass", 2), ("pass", 2)] + [("capture", 0)] * 3
 
 
-def test_no_capture_while_a_row_waits_for_companions(worker):
-    batcher, passes, gate, running = worker(max_wait_ms=300)
+def test_a_lone_row_goes_at_once_and_the_capture_after_it(worker):
+    """Nothing in flight: a part-full pass waits for no window (issue 26), and no capture runs
+    ahead of it (tests/services/test_idle_batching.py covers the window with a busy device)."""
+    batcher, passes, gate, running = worker(max_wait_ms=5000)
     gate.set()
     passes.pending = 1  # the worker sleeps until a row comes
-    batcher.submit(prepared(1), lease=None)  # not a full pass: it waits up to 300 ms for more rows
-    time.sleep(0.1)
-    assert passes.events == [], "captured while a row was waiting"
+    start = time.monotonic()
+    batcher.submit(prepared(1), lease=None)  # not a full pass, but the device is idle
     wait_until(lambda: passes.pending == 0, "the capture after the pass")
+    assert time.monotonic() - start < 2.5, "the lone row waited for the batch window"
     assert passes.events == [("pass", 1), ("capture", 0)]
 
 
@@ -340,15 +387,32 @@ def test_next_pass_is_launched_before_the_last_ones_answers_are_read(worker):
 # ---- metrics ------------------------------------------------------------------------------------
 
 def test_graph_metrics():
-    metrics, stats = ScorerMetrics(), SimpleNamespace(replays=7, eager_bucketed=2, unbucketed=1, captures=5)
+    """Both services export the process's GraphStats under their own prefix, read at scrape time."""
+    from prometheus_client import CollectorRegistry
+
+    from kev.serving.graph_metrics import GraphCollector
+
+    metrics = ScorerMetrics()
+    stats = GraphStats(replays=7, eager_bucketed=2, unbucketed=1, captures=5, row_tokens=300, padding_tokens=20,
+                       state_tokens=4000, state_padding_tokens=96)
     metrics.watch_graphs(lambda: stats)
     text = generate_latest(metrics.registry).decode()
     assert 'kev_scorer_graph_passes_total{path="replay"} 7.0' in text
     assert 'kev_scorer_graph_passes_total{path="eager_bucketed"} 2.0' in text
     assert 'kev_scorer_graph_passes_total{path="unbucketed"} 1.0' in text
     assert "kev_scorer_graph_captures_total 5.0" in text
+    assert 'kev_scorer_graph_real_tokens_total{kind="rows"} 300.0' in text
+    assert 'kev_scorer_graph_padding_tokens_total{kind="rows"} 20.0' in text
+    assert 'kev_scorer_graph_real_tokens_total{kind="state"} 4000.0' in text
+    assert 'kev_scorer_graph_padding_tokens_total{kind="state"} 96.0' in text
+    assert stats.eager == 3  # every path but replay
     stats.replays = 9  # read at scrape time
     assert 'path="replay"} 9.0' in generate_latest(metrics.registry).decode()
     on_cpu = ScorerMetrics()
     on_cpu.watch_graphs(lambda: None)
     assert "kev_scorer_graph" not in generate_latest(on_cpu.registry).decode()
+    bank = CollectorRegistry()  # the bank's, as bank_service/server.py registers it
+    bank.register(GraphCollector("kev_bank", lambda: stats))
+    text = generate_latest(bank).decode()
+    assert 'kev_bank_graph_passes_total{path="replay"} 9.0' in text and "kev_scorer" not in text
+    assert 'kev_bank_graph_padding_tokens_total{kind="state"} 96.0' in text

@@ -1,13 +1,15 @@
 """The services' passes on CUDA (kev/exec/passes.py; H200, skipped on CPU by the `gpu` marker).
 
 What the bank and a scorer build at start-up, on a small model (width 512, 4 layers) with Kev-4B's
-heads, random bf16 weights, projections fused as `LoadedModel` does on GPU:
-- the start-up buckets are captured after every class of the role was warmed;
+heads, random bf16 weights, projections fused as `LoadedModel` does on GPU, and small pass caps
+(so few keys to capture):
+- the classes of the role's keys are warmed, then every key of its ladders is captured;
 - a scorer-style row pass through the served passes equals `Passes.row_pass` bit for bit when the
-  batch fills its bucket exactly, and is close when padded;
-- after start-up nothing autotunes: replays, eager bucketed passes, unbucketed passes, idle captures;
-- a re-attach builds new graphs (queued, captured when idle) without warming again, with the same results;
-- the bank's graphed short state passes store close to what `Passes.state_pass` stores.
+  batch fills its key exactly, and is close when padded;
+- after start-up nothing autotunes: replays, passes beyond the caps, captures after a re-attach;
+- a re-attach queues its keys (each captured at its first use or when idle) without warming
+  again, with the same results;
+- the bank's graphed state passes store close to what `Passes.state_pass` stores.
 Autotuning here benchmarks with short reps (the configs only have to be consistent, not best).
 """
 
@@ -18,7 +20,8 @@ from triton.runtime.autotuner import Autotuner
 
 from kev.exec import passes as passes_module
 from kev.bank.bank import Bank
-from kev.exec.graphs import largest_first
+from kev.exec.graphs import KeyLadder
+from kev.exec.static_pass import PassKind
 from kev.ops.shapes import ShapeClass
 from kev.ops.triton_ops import TritonOps
 from kev.exec.plan import GraphPlan, PassRole
@@ -31,8 +34,10 @@ from kernel_support import class_launches, fast_hot_autotuners, kev4b_heads_conf
 pytestmark = pytest.mark.gpu
 
 DOC_LENS = (5, 64, 300, 1100)
-SCORER_PLAN = GraphPlan(rows=((8, 32, 64), (4, 32, 20), (96, 64, 512)), docs=(), max_graphs=8, max_rows_per_pass=96)
-BANK_PLAN = GraphPlan(rows=(), docs=((1, 64), (1, 256)), max_graphs=4)
+# A scorer's caps (KEV_MAX_TOKENS_PER_PASS, KEV_MAX_ROWS_PER_PASS) and the bank's (--max-pass-tokens,
+# --max-pass-documents), small: 83 row keys and 59 state keys, rows_few / rows_mid and rows_few / docs_few.
+SCORER_PLAN = GraphPlan(row_tokens=512, row_seqs=16)
+BANK_PLAN = GraphPlan(state_tokens=1024, state_seqs=4)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,7 @@ def served(fast_autotune):
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in DOC_LENS]
     handles = [bank.alloc(n) for n in DOC_LENS]
-    bank_passes.state_pass(docs, handles)
+    bank_passes.state_pass(docs, handles)  # 1,469 tokens: beyond the bank's caps here, an eager pass
     scorer = PassBuilder(model, TritonOps(), PassRole.ROWS, SCORER_PLAN)
     passes = scorer.build(bank)
     return dict(cfg=cfg, model=model, bank=bank, bank_builder=bank_builder, bank_passes=bank_passes,
@@ -72,11 +77,11 @@ def no_autotune(monkeypatch):
 
 def row_batch(served, n_rows, row_len, picks_per_row, seed, exact=False):
     """Rows over the bank's documents, `picks_per_row` picks each; `exact`: every row `row_len`
-    tokens (fills its bucket, if n_rows and the picks are bucket sizes too)."""
+    tokens (n_rows x row_len tokens in all: fills its key when that is a ladder size and every
+    token is picked, picks_per_row == row_len)."""
     g = torch.Generator().manual_seed(seed)
     vocab = served["cfg"].vocab_size
     lens = [row_len] * n_rows if exact else torch.randint(picks_per_row, row_len + 1, (n_rows,), generator=g).tolist()
-    lens[0] = row_len  # the longest row decides the bucket
     rows = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
     owners = [i % len(DOC_LENS) for i in range(n_rows)]
     picks = [sorted(torch.randperm(n, generator=g)[:picks_per_row].tolist()) for n in lens]
@@ -84,28 +89,34 @@ def row_batch(served, n_rows, row_len, picks_per_row, seed, exact=False):
                           device="cuda")
 
 
-def test_start_up_warms_the_role_then_captures_its_plan(served):
+def test_start_up_warms_the_role_then_captures_its_keys(served):
     scorer, passes = served["scorer"], served["passes"]
-    assert scorer.warmed == [c for c in ShapeClass if c.rows]
+    assert scorer.ladders() == (KeyLadder(PassKind.ROWS, 512, 16), None)
+    # the classes of the scorer's keys: up to 512 row tokens
+    assert scorer.warmed == scorer.warm_classes == [ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID]
     # every hot kernel a warmed class launches has a config there
     assert all(len(scorer.tuner.caches(c)[name]) for c in scorer.warmed
                for name in class_launches(c, scorer.tuner.autotuners))
-    assert passes.graphs.graphs() == largest_first(scorer.start_keys(passes.graphs.buckets)) and len(passes.graphs.graphs()) == 3
+    keys = passes.graphs.all_keys()
+    assert len(keys) == len(scorer.ladders()[0].keys()) and set(passes.graphs.graphs()) == set(keys)
     assert passes.graphs.stats is scorer.graph_stats and not passes.graphs.stats.capture_errors
+    assert passes.graphs.stats.captures == len(keys) and not passes.idle_work
     bank_builder, bank_passes = served["bank_builder"], served["bank_passes"]
-    assert bank_builder.warmed == list(ShapeClass) and bank_builder.tuner is not scorer.tuner
-    assert len(bank_passes.graphs.graphs()) == 2
+    assert bank_builder.warmed == [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW] and bank_builder.tuner is not scorer.tuner
+    assert set(bank_passes.graphs.graphs()) == set(KeyLadder(PassKind.STATE, 1024, 4).keys())
+    assert not bank_passes.graphs.stats.capture_errors
 
 
 def test_served_row_pass_equals_runner_bitwise(served, no_autotune):
     passes = served["passes"]
     replays = passes.graphs.stats.replays
-    batch = row_batch(served, 8, 32, 8, seed=1, exact=True)  # bucket (8, 32, 64) exactly: a start-up graph
+    batch = row_batch(served, 8, 32, 32, seed=1, exact=True)  # 256 tokens, every one picked: a key exactly
+    assert passes.graphs.row_key(batch).tokens == 256
     out = passes.row_pass(batch)
     assert passes.graphs.stats.replays == replays + 1
     assert torch.isfinite(out.float()).all()
     assert torch.equal(out, passes.with_graphs(None).row_pass(batch)), "served replay != the eager row pass"
-    padded = row_batch(served, 90, 64, 4, seed=2)  # bucket (96, 64, 512), padded
+    padded = row_batch(served, 15, 32, 4, seed=2)  # padded in tokens and chunks
     out = passes.row_pass(padded)
     assert passes.graphs.stats.replays == replays + 2
     assert rel_err(passes.with_graphs(None).row_pass(padded), out) <= 2e-2
@@ -115,33 +126,39 @@ def test_nothing_autotunes_after_start_up(served, no_autotune):
     passes = served["passes"]
     stats = passes.graphs.stats
     before = (stats.replays, stats.eager_bucketed, stats.unbucketed, stats.captures)
-    small = row_batch(served, 3, 16, 2, seed=3)  # bucket (4, 16, 8): no graph yet
+    small = row_batch(served, 3, 16, 2, seed=3)  # rows_few: a start-up graph
     first = passes.row_pass(small)
-    second = passes.row_pass(small)  # second use: queued for capture when idle
-    assert torch.equal(first, second)
-    assert passes.idle_work
-    assert passes.capture_when_idle() == 1 and not passes.idle_work
-    assert torch.equal(passes.row_pass(small), first), "replay != the eager bucketed pass"
-    wide = row_batch(served, 200, 20, 2, seed=4)  # more rows than any bucket: the plain class-tuned pass
-    assert torch.isfinite(passes.row_pass(wide).float()).all()
+    assert torch.equal(passes.row_pass(small), first), "two replays differ"
+    mid = row_batch(served, 16, 32, 2, seed=4, exact=True)  # rows_mid, at the caps (512 tokens, 16 rows): a graph
+    assert torch.isfinite(passes.row_pass(mid).float()).all()
+    many = row_batch(served, 17, 20, 2, seed=5)  # more rows than the cap: the plain class-tuned pass
+    assert torch.isfinite(passes.row_pass(many).float()).all()
+    long = row_batch(served, 1, 600, 2, seed=6, exact=True)  # more tokens than the cap: likewise
+    assert torch.isfinite(passes.row_pass(long).float()).all()
     torch.cuda.synchronize()
     after = (stats.replays, stats.eager_bucketed, stats.unbucketed, stats.captures)
-    assert [a - b for a, b in zip(after, before)] == [1, 2, 1, 1]
-    assert not stats.capture_errors
+    assert [a - b for a, b in zip(after, before)] == [3, 0, 2, 0]
+    assert not stats.capture_errors and not passes.idle_work
 
 
 def test_reattach_queues_new_graphs_without_warming_again(served, no_autotune, monkeypatch):
     scorer, passes = served["scorer"], served["passes"]
     monkeypatch.setattr(passes_module, "warm_up", lambda *a, **k: pytest.fail("warmed up again"))
     again = scorer.build(served["bank"], capture=False)  # what a re-attach does
-    keys = largest_first(scorer.start_keys(again.graphs.buckets))  # capture order
+    keys = again.graphs.all_keys()  # capture order: largest first
     assert again.graphs is not passes.graphs and again.tuner is scorer.tuner
-    assert again.graphs.graphs() == [] and again.graphs.pending == keys
-    while again.idle_work:
-        again.capture_when_idle()
-    assert again.graphs.graphs() == keys and not again.graphs.stats.capture_errors
-    batch = row_batch(served, 8, 32, 8, seed=5, exact=True)
+    assert again.graphs.graphs() == [] and again.graphs.pending == keys and again.idle_work
+    captures = again.graphs.stats.captures
+    batch = row_batch(served, 8, 32, 32, seed=7, exact=True)
+    key = again.graphs.row_key(batch)
+    # a queued key is captured at its first use (a loaded server is never idle), then replayed
     assert torch.equal(again.row_pass(batch), passes.row_pass(batch))
+    assert again.graphs.graphs() == [key] and key not in again.graphs.pending
+    assert again.graphs.stats.captures == captures + 1
+    assert torch.equal(again.row_pass(batch), passes.row_pass(batch))
+    # the rest when idle, one at a time, largest first
+    assert again.capture_when_idle() == 1 and again.graphs.graphs()[-1] == [k for k in keys if k != key][0]
+    assert len(again.graphs.pending) == len(keys) - 2 and not again.graphs.stats.capture_errors
 
 
 def slot_states(bank, handle, n_tokens):
@@ -150,13 +167,19 @@ def slot_states(bank, handle, n_tokens):
             + [p[pages].flatten(0, 1)[:n_tokens] for p in bank.pools.keys + bank.pools.values])
 
 
-@pytest.mark.parametrize("lens", [[48], [200], [1100], [100] * 5], ids=["replay-64", "replay-256", "eager-1536",
-                                                                       "unbucketed-5-docs"])
-def test_bank_state_passes(served, no_autotune, lens):
+@pytest.mark.parametrize("lens,path", [([48], "replay"), ([200], "replay"), ([300, 100, 20], "replay"),
+                                       ([1100], "unbucketed"), ([100] * 5, "unbucketed")],
+                         ids=["replay-48", "replay-200", "replay-3-docs", "beyond-tokens", "beyond-docs"])
+def test_bank_state_passes(served, no_autotune, lens, path):
+    """Within the bank's caps (1,024 tokens, 4 documents) a state pass replays a start-up graph;
+    beyond them it is the plain class-tuned pass. Either stores close to `Passes.state_pass`."""
     bank, bank_passes = served["bank"], served["bank_passes"]
+    stats = bank_passes.graphs.stats
     g = torch.Generator().manual_seed(sum(lens))
     docs = [torch.randint(0, served["cfg"].vocab_size, (n,), generator=g).tolist() for n in lens]
     plain = Passes(served["model"], bank, bank_passes.ops, tuner=served["bank_builder"].tuner)
+    assert bank_passes.state_keyed(lens) is (path == "replay")
+    before = (stats.replays, stats.unbucketed, stats.captures)
     results = []
     for passes in (bank_passes, plain):
         handles = [bank.alloc(n) for n in lens]
@@ -164,6 +187,8 @@ def test_bank_state_passes(served, no_autotune, lens):
         results.append([s.clone() for h, n in zip(handles, lens) for s in slot_states(bank, h, n)])
         for h in handles:
             bank.free(h)
+    assert (stats.replays - before[0], stats.unbucketed - before[1], stats.captures - before[2]) == \
+        ((1, 0, 0) if path == "replay" else (0, 1, 0))
     for a, b in zip(*results):
         assert torch.isfinite(a.float()).all()
         assert rel_err(b, a) <= 2e-2
@@ -188,13 +213,15 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
                  for i in range(8))
     prepared = [SimpleNamespace(rows=rows)]  # 8 noul rows: <decide> and two option ends each
     passes = served["passes"]
-    a, b = row_batch(served, 8, 32, 3, seed=21), row_batch(served, 8, 32, 3, seed=22)
+    # 8 rows of 32 tokens each: one key for both passes
+    a, b = row_batch(served, 8, 32, 3, seed=21, exact=True), row_batch(served, 8, 32, 3, seed=22, exact=True)
+    assert passes.graphs.row_key(a) == passes.graphs.row_key(b)
     want = answer_rows(head, prepared, passes.row_pass(a))
-    batch_a = lambda: row_batch(served, 8, 32, 3, seed=21)  # noqa: E731 - packed again, inside the check
+    batch_a = lambda: row_batch(served, 8, 32, 3, seed=21, exact=True)  # noqa: E731 - packed again, inside the check
     torch.cuda.set_sync_debug_mode("error")  # launching a pass must never wait for the GPU
     try:
         pending = start_answers(head, prepared, passes.row_pass(batch_a()))
-        passes.row_pass(b)  # the same 8 x 32 graph, new rows, queued before A's answers are read
+        passes.row_pass(b)  # the same key's graph, new rows, queued before A's answers are read
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert pending.ready is not None  # on its way, not read yet

@@ -23,7 +23,8 @@ from triton.runtime.autotuner import Autotuner
 
 from kev.bank.bank import Bank
 from kev.ops import get_ops
-from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass, classify, classify_cu_seqlens, classify_lens
+from kev.ops.shapes import (CLASS_SHAPES, ClassShape, ShapeClass, classify, classify_cu_seqlens, classify_lens,
+                             classify_seqs)
 from kev.ops.autotune import ClassTuner, hot_autotuners, pick_config
 from kev.exec.warm_up import warm_shapes, warm_up
 from kev.exec.batch import RowBatch
@@ -76,24 +77,42 @@ def call(at, bench, n_seqs, n_tokens):
     at.run(torch.zeros(1), n_tokens, max(n_seqs - 1, 0).bit_length(), max(n_tokens // n_seqs - 1, 0).bit_length(), H=2)
 
 
-# one representative per class boundary side: what changes the cache a pass uses
+# one representative per class boundary side: what changes the cache a pass uses. A pass of unknown
+# kind is rows while its sequences average at most ROW_TOKENS (128) tokens; then its token count decides.
 @pytest.mark.parametrize("lens,cls", [
-    ([16], ShapeClass.ROWS_FEW), ([32] * 6, ShapeClass.ROWS_FEW), ([64] * 8, ShapeClass.ROWS_FEW),
-    ([48] * 9, ShapeClass.ROWS_MID), ([32] * 32, ShapeClass.ROWS_MID), ([64] * 33, ShapeClass.ROWS_WIDE),
-    ([32] * 96, ShapeClass.ROWS_WIDE), ([129], ShapeClass.DOCS_FEW), ([2200], ShapeClass.DOCS_FEW),
-    ([8192] * 4, ShapeClass.DOCS_FEW), ([2048] * 16, ShapeClass.DOCS_WIDE), ([300] * 5, ShapeClass.DOCS_WIDE),
+    ([16], ShapeClass.ROWS_FEW), ([32] * 8, ShapeClass.ROWS_FEW), ([64] * 4, ShapeClass.ROWS_FEW),
+    ([65] * 4, ShapeClass.ROWS_MID), ([48] * 9, ShapeClass.ROWS_MID), ([32] * 32, ShapeClass.ROWS_MID),
+    ([33] * 32, ShapeClass.ROWS_WIDE), ([32] * 96, ShapeClass.ROWS_WIDE), ([128] * 10, ShapeClass.ROWS_WIDE),
+    ([129] * 10, ShapeClass.DOCS_FEW), ([256], ShapeClass.ROWS_FEW), ([257], ShapeClass.DOCS_FEW),
+    ([2200], ShapeClass.DOCS_FEW), ([4096], ShapeClass.DOCS_FEW), ([300] * 5, ShapeClass.DOCS_FEW),
+    ([4097], ShapeClass.DOCS_WIDE), ([2048] * 16, ShapeClass.DOCS_WIDE), ([8192] * 4, ShapeClass.DOCS_WIDE),
 ], ids=lambda v: str(v) if isinstance(v, ShapeClass) else f"{len(v)}x{v[0]}")
 def test_class_from_cu_seqlens_and_batch_size(lens, cls):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     assert classify_cu_seqlens(cu) is cls
     assert classify_cu_seqlens(cu.tolist()) is cls
     assert classify_lens(lens) is cls
-    assert classify(len(lens), sum(lens)) is cls
+    assert classify_seqs(len(lens), sum(lens)) is cls
+
+
+@pytest.mark.parametrize("tokens,rows,states", [
+    (1, ShapeClass.ROWS_FEW, ShapeClass.ROWS_FEW), (256, ShapeClass.ROWS_FEW, ShapeClass.ROWS_FEW),
+    (257, ShapeClass.ROWS_MID, ShapeClass.DOCS_FEW), (1024, ShapeClass.ROWS_MID, ShapeClass.DOCS_FEW),
+    (1025, ShapeClass.ROWS_WIDE, ShapeClass.DOCS_FEW), (4096, ShapeClass.ROWS_WIDE, ShapeClass.DOCS_FEW),
+    (4097, ShapeClass.ROWS_WIDE, ShapeClass.DOCS_WIDE), (16384, ShapeClass.ROWS_WIDE, ShapeClass.DOCS_WIDE),
+])
+def test_class_from_kind_and_tokens(tokens, rows, states):
+    """A pass of known kind (a graph key, a row batch, a state pass): its kind and token count alone,
+    whatever its sequences; state passes of at most 256 tokens share the rows' few class."""
+    assert classify(tokens, rows=True) is rows
+    assert classify(tokens, rows=False) is states
 
 
 def test_classify_rejects_empty_and_device_cu_seqlens():
-    with pytest.raises(ValueError, match="at least one sequence"):
-        classify(0, 0)
+    with pytest.raises(ValueError, match="at least one token"):
+        classify(0, rows=True)
+    with pytest.raises(ValueError, match="at least one token"):
+        classify_seqs(0, 0)
     meta = torch.tensor([0, 4], device="meta")
     with pytest.raises(ValueError, match="host"):
         classify_cu_seqlens(meta)
@@ -215,11 +234,12 @@ def test_runner_passes_run_in_their_class():
     runner = Passes(model, bank, get_ops("torch"), state_chunk_tokens=200, tuner=tuner)
     docs = [[1] * 300, [2] * 100]
     handles = [bank.alloc(len(d)) for d in docs]
-    runner.state_pass(docs, handles)  # chunks: (200 + 100 tokens, 2 docs), then (100 tokens, 1 doc)
+    # chunks: (200 + 100 tokens, 2 docs: docs_few), then (100 tokens, 1 doc: rows_few, as every pass of <= 256)
+    runner.state_pass(docs, handles)
     assert tuner.classes == [ShapeClass.DOCS_FEW, ShapeClass.ROWS_FEW]
-    rows = [[3] * 20] * 12
-    batch = RowBatch.build(rows, [handles[0]] * 12, [300] * 12, [[19]] * 12)
-    assert batch.row_lens == (20,) * 12 and batch.shape_class is ShapeClass.ROWS_MID
+    rows = [[3] * 30] * 12  # 360 row tokens
+    batch = RowBatch.build(rows, [handles[0]] * 12, [300] * 12, [[29]] * 12)
+    assert batch.row_lens == (30,) * 12 and batch.shape_class is ShapeClass.ROWS_MID
     runner.row_pass(batch)
     assert tuner.classes[-1] is ShapeClass.ROWS_MID
 
@@ -269,7 +289,10 @@ def test_class_shapes_belong_to_their_class():
     for cls, shapes in CLASS_SHAPES.items():
         assert shapes and len(set(shapes)) == len(shapes)
         for s in shapes:
-            assert classify(s.seqs, s.seqs * s.tokens) is cls, f"{s} is not {cls.value}"
+            # of the class's kind (row shapes for the rows' classes) and in its token range; a pass of
+            # the shape with no class given (`PassMeta.pass_class`, as warm-up runs it) lands there too
+            assert classify(s.seqs * s.tokens, rows=cls.rows) is cls, f"{s} is not {cls.value}"
+            assert classify_seqs(s.seqs, s.seqs * s.tokens) is cls, f"{s} is not {cls.value} by its shape"
             assert s.prefix == 0 or cls.rows, "document shapes start from nothing"
 
 
@@ -482,9 +505,11 @@ def test_warm_up_tunes_each_class_over_its_shapes(stub3, monkeypatch):
 def test_warm_shapes_cut_prefixes_to_the_stored_document():
     few = CLASS_SHAPES[ShapeClass.ROWS_FEW]
     assert warm_shapes(ShapeClass.ROWS_FEW, row_slot=3, row_prefix=5000) == list(few)
-    cut = warm_shapes(ShapeClass.ROWS_FEW, row_slot=3, row_prefix=300)
+    cut = warm_shapes(ShapeClass.ROWS_FEW, row_slot=3, row_prefix=1000)
     assert [(s.seqs, s.tokens) for s in cut] == [(s.seqs, s.tokens) for s in few]
-    assert [s.prefix for s in cut] == [min(s.prefix, 300) for s in few]
+    assert [s.prefix for s in cut] == [min(s.prefix, 1000) for s in few]
+    # shapes the cut makes equal are warmed once
+    assert warm_shapes(ShapeClass.ROWS_FEW, row_slot=3, row_prefix=300) == [ClassShape(1, 16), ClassShape(4, 40, 300)]
     assert warm_shapes(ShapeClass.ROWS_MID) == list(CLASS_SHAPES[ShapeClass.ROWS_MID]), "no slot: prefixes kept"
     same = ClassShape(4, 32, 0)
     assert len({same, ClassShape(4, 32)}) == 1

@@ -218,19 +218,25 @@ def test_kernels_match_references():
         assert rel_err(a_ref, a) <= 2e-2 and torch.equal(kp, rkp) and torch.equal(vp, rvp)
 
 
-def test_attention_reads_no_keys_past_a_bucket_padding_sequence():
-    """A CUDA-graph state bucket counts every sequence at the bucket's length in its static chunk
-    list, so a short sequence (a document's padding partner, last in the pass) gets query blocks
-    far past its end. d71f63f read those blocks' own keys unmasked up to the block start (up to
-    8,184 rows past the last token here, ~100 MB past the qkv buffer, the model's column views
-    having a 12 KB row stride); its single-request benchmark faulted that way at a 2,208-token
-    bucket. Such reads change no output (the blocks' rows are all masked), so the check is that the
-    GPU stays healthy, with outputs that match the reference."""
+def test_attention_reads_no_keys_past_a_keys_no_op_entries():
+    """A CUDA-graph key's static chunk list runs on past its padding sequence (last in the pass)
+    with no-op entries (`kev.exec.static_pass.packed_chunks`), so that sequence gets query blocks
+    far past its end, and past the pass's last token. d71f63f read such blocks' own keys unmasked up
+    to the block start (the old state buckets' short sequences: up to 8,184 rows past the last
+    token, ~100 MB past the qkv buffer, the model's column views having a 12 KB row stride); its
+    single-request benchmark faulted that way at a 2,208-token bucket. Such reads change no output
+    (the blocks' rows are all masked), so the check is that the GPU stays healthy, with outputs
+    that match the reference."""
     from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
     from kev.ops.meta import PassMeta
-    from kev.exec.static_pass import static_chunks
+    from kev.exec.static_pass import packed_chunks
 
     L, doc, Hq, Hkv, D = 8192, 8184, 16, 4, 256
+    block = query_block(Hq // Hkv)
+    # the document's blocks, the 8-token padding sequence's one, then as many no-op entries again:
+    # blocks starting up to ~8,176 rows past the pass's last token
+    chunks, _ = packed_chunks([doc], L, 2, block, 2 * (L // block))
+    assert int(chunks[-1, 1]) * block + doc >= 2 * L - 2 * block
     g = torch.Generator(device="cuda").manual_seed(3)
     pages = torch.zeros(2, 64, Hkv, D, dtype=torch.bfloat16, device="cuda")
     table = torch.zeros(2, 1, dtype=torch.int32, device="cuda")
@@ -242,7 +248,7 @@ def test_attention_reads_no_keys_past_a_bucket_padding_sequence():
     for split in (False, True):
         o = paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros, key_pages=pages,
                                    value_pages=pages, block_table=table, write_slots=no_write,
-                                   chunk_indices=static_chunks(2, L, query_block(Hq // Hkv), "cuda"), split=split)
+                                   chunk_indices=chunks.to("cuda"), split=split)
         torch.cuda.synchronize()  # a fault surfaces here
         meta = PassMeta(cu_seqlens=cu, read_slots=no_write, write_slots=no_write, prefix_lens=zeros, block_table=table)
         ref = TorchOps().attention(q, k, v, meta, pages.clone(), pages.clone())

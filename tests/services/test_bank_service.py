@@ -411,30 +411,49 @@ def test_a_full_bank_makes_a_new_document_wait_for_a_pin_to_go(ckpt, redis_srv, 
     assert rc == 0, small.log_text()[-3000:]
 
 
-@pytest.mark.parametrize("lens,bucketed,taken", [
-    ([48] * 70, True, 64),  # max_pass_documents
-    ([2200] * 8, True, 6),  # 7 x 2,200 fits the token cap, but 8 x 2,304 is no bucket: stop at 6
+@pytest.mark.parametrize("lens,ladder,taken", [
+    ([48] * 70, "bank", 64),  # max_pass_documents
+    ([2200] * 8, "bank", 7),  # the bank's ladder covers its pass caps: only the caps stop a batch
+    ([2200] * 8, (8192, 64), 3),  # a ladder below the caps: 4 x 2,200 tokens would have no key, stop at 3
+    ([48] * 20, (16384, 8), 8),  # ... nor would a ninth document on a ladder of 8 documents
     ([2200] * 8, None, 7),  # no graphs (CPU): only the caps
-    ([9000, 48, 48], True, 3),  # a pass that fits no bucket from the start takes what the caps allow
-], ids=["short", "long-on-graphs", "long-no-graphs", "unbucketed-first"])
-def test_state_pass_batch_stays_on_the_graphs(lens, bucketed, taken):
-    """The worker's batch: up to the caps, but never grown from a bucketed pass into an unbucketed one."""
+    ([9000, 48, 48], (8192, 64), 1),  # chunk by chunk (8,192 and 808) on the graphs; with a companion, 8,240: none
+    ([5000, 48, 48], (4096, 64), 3),  # a pass that has no key from the start takes what the caps allow
+], ids=["short", "long-bank-ladder", "long-small-ladder", "many-small-ladder", "long-no-graphs", "chunked",
+        "unkeyed-first"])
+def test_state_pass_batch_stays_on_the_graphs(lens, ladder, taken):
+    """The worker's batch: up to the caps, but never grown from a pass that runs in CUDA-graph keys
+    (every chunk pass of it, `Passes.state_keyed`) into one that does not."""
     from types import SimpleNamespace
 
     from bank_service.acquire import Acquirer
+    from bank_service.config import BankConfig
     from bank_service.jobs import Job
-    from kev.exec.graphs import Buckets
+    from kev.exec.graphs import GraphCache, KeyLadder
+    from kev.exec.passes import PassBuilder
+    from kev.exec.plan import PassRole
+    from kev.exec.static_pass import PassKind
 
-    buckets = Buckets()
-    fits = (lambda d, n: buckets.state_key(d, n) is not None and n <= 8192) if bucketed else (lambda d, n: None)
+    if ladder == "bank":  # the ladder the bank builds from its default settings
+        config = BankConfig.from_env({"KEV_CHECKPOINT": "/ckpt", "KEV_REDIS_URL": "redis://localhost:6379/0",
+                                      "KEV_BANK_MEMORY_BYTES": "1000000", "KEV_DEVICE": "cuda"}, [])
+        states = PassBuilder(None, None, PassRole.STATES, config.graph_plan).ladders()[1]
+        assert (states.max_tokens, states.max_seqs) == (config.max_pass_tokens, config.max_pass_documents)
+    else:
+        states = KeyLadder(PassKind.STATE, *ladder) if ladder else None
+    # the real `Passes.state_keyed` over a graph cache of that ladder (nothing captured: no GPU here)
+    passes = SimpleNamespace(graphs=GraphCache(states=states) if states else None, state_chunk_tokens=8192)
+    passes.state_keyed = lambda doc_lens: Passes.state_keyed(passes, doc_lens)
     metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
-    acq = Acquirer(SimpleNamespace(state_bucketed=fits), None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
+    acq = Acquirer(passes, None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
                    max_wait_s=0.0, max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
     for i, n in enumerate(lens):
         acq._queue.append(Job(f"d{i}", [1] * n, time.monotonic()))
     with acq._cv:
         batch = acq._take_batch()
     assert len(batch) == taken and len(acq._queue) == len(lens) - taken
+    if states is not None:  # a batch started on the graphs stays on them
+        assert passes.state_keyed([len(j.tokens) for j in batch]) is passes.state_keyed(lens[:1])
 
 
 def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
