@@ -44,7 +44,7 @@ class BankConfig:
     # default pin lease
     lease_seconds: float = env_field("KEV_LEASE_SECONDS", 30.0, flag=False)
     # Environment, the flag of the same name overrides: CUDA graphs (kev/exec/passes.py)
-    # every state pass up to the pass caps below runs as a CUDA graph, all captured at start-up; 0: none
+    # every state pass up to the pass caps below runs as a CUDA graph, all captured at start-up; off: none
     cuda_graphs: bool = env_field("KEV_CUDA_GRAPHS", True)
     warm_classes: str = env_field("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up ("all", "none", a list)
     # Flags
@@ -82,7 +82,6 @@ class BankConfig:
             raise ConfigError(f"KEV_LEASE_SECONDS must be in (0, {self.max_lease_seconds}], got {self.lease_seconds}")
         if self.ops not in ("", "torch", "triton"):
             raise ConfigError(f"--ops must be 'torch' or 'triton', got {self.ops!r}")
-        self.graph_plan  # noqa: B018 - raises ConfigError on bad graph settings
         if not self.node or any(c in self.node for c in "{}@"):
             raise ConfigError(f"--node must be non-empty without '{{', '}}' or '@', got {self.node!r}")
         for name in ("block_size", "avg_doc_tokens", "max_document_tokens", "max_pass_tokens",
@@ -93,6 +92,7 @@ class BankConfig:
             raise ConfigError("--max-wait-ms, --full-wait-ms and --grace-s must be >= 0, --epoch-check-s > 0")
         if self.switch_interval_ms < 0:
             raise ConfigError(f"--switch-interval-ms must be >= 0, got {self.switch_interval_ms}")
+        self.graph_plan  # noqa: B018 - raises ConfigError on bad graph settings (after the caps it takes)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], argv: Sequence[str] = ()) -> "BankConfig":

@@ -63,8 +63,8 @@ class ScorerConfig:
     metrics_port: int = _env("KEV_METRICS_PORT", 9090)  # 0: no metrics endpoint
     metrics_addr: str = _env("KEV_METRICS_ADDR", "0.0.0.0")  # the address the metrics endpoint binds
     lease_seconds: float = _env("KEV_LEASE_SECONDS", 30.0)
-    # CUDA only (kev/exec/passes.py): row buckets captured at start-up, RxL or RxLxP, or "none"
-    # every row pass up to the pass caps above runs as a CUDA graph, all captured at start-up; 0: none
+    # CUDA only (kev/exec/passes.py): every row pass up to the pass caps above runs as a CUDA graph,
+    # all captured at start-up; off: none
     cuda_graphs: bool = _env("KEV_CUDA_GRAPHS", True)
     warm_classes: str = _env("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up: all, none or a list
     # Row-pass kernels: unset = torch on CPU, triton (bank-indexed) on GPU; "gathered" is the

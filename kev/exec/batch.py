@@ -24,12 +24,12 @@ class RowBatch:
     doc_lens: torch.Tensor  # [N] int64: tokens stored in that slot (the row's positions start there)
     picks: torch.Tensor  # [P] int64 packed positions of <decide> / </opt> tokens
     positions: torch.Tensor  # [T] int64 absolute position of every token
-    row_lens: tuple[int, ...] = ()  # host copy of the row lengths (CUDA-graph buckets); () when unknown
+    row_lens: tuple[int, ...] = ()  # host copy of the row lengths (CUDA-graph keys); () when unknown
     host: tuple[torch.Tensor, ...] = ()  # CPU copies of tokens, cu_seqlens, slots, doc_lens, positions, picks
 
     def host_fields(self) -> tuple[torch.Tensor, ...]:
         """tokens, cu_seqlens, slots, doc_lens, positions, picks: the host copies when the batch
-        has them (a CUDA-graph bucket's fill builds its block on the host), else the tensors."""
+        has them (a CUDA-graph key's fill builds its block on the host), else the tensors."""
         return self.host or (self.tokens, self.cu_seqlens, self.slots, self.doc_lens, self.positions, self.picks)
 
     @property

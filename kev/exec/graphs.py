@@ -15,7 +15,7 @@ entries (`CHUNK_STEPS`), which the per-chunk kernels' grids need static.
 Capture: services capture every key of their ladders at start-up (`capture`, after
 `kev.exec.warm_up.warm_up`), so after warm-up no pass within the caps runs eagerly whatever the
 traffic. A sweep (the in-process engine's new document and its rows) has ladder x ladder keys: it
-is captured when idle after `min_uses` uses (`CapturePolicy.WHEN_IDLE`) and until then runs as the
+is captured when idle after `min_uses` uses (`capture_pending`) and until then runs as the
 state graph's replay and the row graph's. At most `max_sweeps` sweep graphs are kept.
 Capture runs the pass once eagerly on a side stream (compiles; autotunes only if the class was
 never warmed), then captures it; nothing inside the capture syncs with the host or autotunes.
@@ -71,7 +71,7 @@ class CapturePolicy(enum.Enum):
 class KeyLadder:
     """The keys of one kind of pass: T from `token_ladder(max_tokens)`, and per T the chunk-list
     sizes from just enough for one sequence filling T to room for `max_seqs` sequences (of at least
-    MIN_SEQ_TOKENS tokens on average)."""
+    MIN_SEQ_TOKENS tokens on average; the top T holds `max_seqs` of any length)."""
 
     kind: PassKind
     max_tokens: int
@@ -83,7 +83,9 @@ class KeyLadder:
 
     def chunk_sizes(self, tokens: int) -> tuple[int, ...]:
         least = cdiv(tokens, CHUNK) + 1  # one sequence filling T, and the (empty) padding sequence
-        most = least + min(self.max_seqs, max(1, tokens // MIN_SEQ_TOKENS))
+        # the top of the ladder holds every pass within the caps, however short its sequences
+        room = self.max_seqs if tokens >= self.max_tokens else min(self.max_seqs, max(1, tokens // MIN_SEQ_TOKENS))
+        most = least + room
         top = next(c for c in CHUNK_STEPS if c >= most)
         return tuple(c for c in CHUNK_STEPS if c >= least and c <= top) or (top,)
 
@@ -108,6 +110,7 @@ class KeyLadder:
 @dataclass
 class GraphStats:
     replays: int = 0
+    # (the metric labels keep the names "eager_bucketed" and "unbucketed" for dashboards' sake)
     eager_bucketed: int = 0  # keyed passes run eagerly (no graph yet: only before capture, or sweeps)
     unbucketed: int = 0  # passes beyond the ladders' caps (Passes' eager path)
     captures: int = 0

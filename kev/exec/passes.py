@@ -108,8 +108,8 @@ class Passes:
     def sweep(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle], batch: RowBatch) -> torch.Tensor:
         """`state_pass(documents, handles)` then `row_pass(batch)` (whose rows may read those slots)
         in one sweep over the weights: per layer the documents' token mixing, then the rows'.
-        Documents longer than a chunk (or none) take the two passes; so does a sweep whose bucket
-        has no graph yet while its state and row buckets both have one (two replays beat one eager
+        Documents longer than a chunk (or none) take the two passes; so does a sweep whose key
+        has no graph yet while its state and row keys both have one (two replays beat one eager
         sweep; its uses still count toward its capture)."""
         if not self.fits_one_sweep(documents):
             self.state_pass(documents, handles)

@@ -9,12 +9,12 @@ Everything else is identical, so indexed and gathered results must match bit for
 The page buffer holds P = ceil(max prefix / BS) pages per row. P comes from `max_prefix_tokens`
 when given, else from the pass's host metadata (one host sync per pass).
 
-CUDA-graph buckets (`kev.exec.static_pass`, metas given to `pin`) change their index tensors in place
+CUDA-graph keys (`kev.exec.static_pass`, metas given to `pin`) change their index tensors in place
 between replays, so nothing may be derived from them once and kept: for a pinned meta the gather
 plan (source slots, source pages) is recomputed on the device at every call, inside the graph
-when captured, and P must come from `max_prefix_tokens` (a bucket serves any prefix length; the
+when captured, and P must come from `max_prefix_tokens` (a key serves any prefix length; the
 host cannot look). A row whose prefix is longer than `max_prefix_tokens` cannot be gathered: a
-pass that is not a bucket raises `PrefixTooLong`; a bucket cannot check without a host sync, so
+pass that is not graphed raises `PrefixTooLong`; a graphed one cannot check without a host sync, so
 the server must refuse such documents first (the scorer caps its document limit at
 KEV_GATHERED_MAX_PREFIX_TOKENS). A row buffer outgrown by a larger pass is kept alive, never
 freed: graphs captured earlier still read and write its memory.
@@ -56,7 +56,7 @@ class GatheredOps(TritonOps):
             raise ValueError(f"max_prefix_tokens must be >= 1, got {max_prefix_tokens}")
         self.max_prefix_tokens = max_prefix_tokens
         self._plans: weakref.WeakKeyDictionary[PassMeta, GatherIndices] = weakref.WeakKeyDictionary()
-        self._pinned: weakref.WeakSet[PassMeta] = weakref.WeakSet()  # CUDA-graph buckets' metas
+        self._pinned: weakref.WeakSet[PassMeta] = weakref.WeakSet()  # CUDA-graph keys' metas
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._outgrown: list[torch.Tensor] = []  # replaced buffers, kept alive for the graphs that hold them
         self._tables: dict[tuple, torch.Tensor] = {}  # (N, P, device) -> arange(N * P).view(N, P) int32
@@ -79,7 +79,7 @@ class GatheredOps(TritonOps):
         return buf[:rows]
 
     def plan(self, meta: PassMeta) -> GatherIndices:
-        """Source slots of the rows: once per pass, or at every call for a pinned (bucket) meta."""
+        """Source slots of the rows: once per pass, or at every call for a pinned (CUDA-graph key) meta."""
         plan = self._plans.get(meta)
         if plan is None or meta in self._pinned:
             read = meta.read_slots
@@ -90,10 +90,10 @@ class GatheredOps(TritonOps):
 
     def pages_per_row(self, meta: PassMeta, block_size: int) -> int:
         """P: from `max_prefix_tokens` (required for a pinned meta), else the pass's longest prefix.
-        A pass that is not a bucket is checked against `max_prefix_tokens` (`PrefixTooLong`)."""
+        A pass that is not graphed is checked against `max_prefix_tokens` (`PrefixTooLong`)."""
         pinned = meta in self._pinned
         if pinned and self.max_prefix_tokens is None:
-            raise ValueError("GatheredOps on a CUDA-graph bucket needs max_prefix_tokens: a bucket serves "
+            raise ValueError("GatheredOps on a CUDA-graph key needs max_prefix_tokens: a key serves "
                              "any prefix length and its page plan cannot be sized from the host")
         longest = None if pinned else max(meta.host.prefix_lens, default=0)
         if longest is not None and self.max_prefix_tokens is not None and longest > self.max_prefix_tokens:
