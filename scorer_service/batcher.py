@@ -1,10 +1,18 @@
 """The cross-request row batcher: question rows of many requests into shared row passes.
 
 Decisions only, no tensors of its own: `submit` queues a request's rows; ONE worker thread builds
-each pass until it holds `max_rows_per_pass` rows or `max_tokens_per_pass` row tokens (a single row
-is always taken) or the oldest waiting row has waited `max_wait_ms`, then hands the pass to the
-engine's shared pieces: `row_batch_for` -> the attachment's `row_pass` (kev/exec/passes.py) ->
-`start_answers`.
+each pass and hands it to the engine's shared pieces: `row_batch_for` -> the attachment's
+`row_pass` (kev/exec/passes.py) -> `start_answers`.
+
+When a pass starts (continuous batching, issue 26). With no pass of this scorer on the device
+(none launched and not yet finished there), whatever rows wait go at once: a request that finds
+the scorer idle waits for no window. While a pass runs on the device the worker waits to fill the
+next one, since the GPU is busy anyway: it launches it as soon as it holds `max_rows_per_pass` rows
+or `max_tokens_per_pass` row tokens (a single row is always taken), as soon as the device is done,
+or once the oldest waiting row has waited `max_wait_ms`, whichever comes first. A small thread
+(`kev-row-device`) waits on each launched pass's CUDA event and wakes the worker when it is done,
+so nothing polls. On CPU a pass is done when its launch returns: rows that arrive during a pass go
+together in the next one.
 
 Fairness (issue 27). Rows are queued per request, and a pass takes them round robin: one row of
 each waiting request in turn (starting after the request served last), so every request gets an
@@ -18,9 +26,10 @@ When the queue is empty and a CUDA graph waits to be captured, the worker captur
 at the queue again: a capture never delays a row that was already waiting.
 
 Two passes in flight. A pass is launched (its rows packed, its graph replayed, its head queued and
-copied to the host) without waiting for the device; before the worker reads its answers it
-launches the next pass if rows for one are ready, so the GPU runs pass N+1 while the host turns
-pass N into answers and packs N+2. On CPU everything runs in the launch and nothing overlaps.
+copied to the host) without waiting for the device; the worker reads a pass's answers only when it
+has no pass to launch (see above), so the GPU runs pass N+1 while the host turns pass N into
+answers and packs N+2. At most two passes are launched and not yet read. On CPU everything runs in
+the launch and nothing overlaps.
 
 A request's rows may be split over several passes (each pass sees a partial `PreparedRequest`
 holding its rows); rows never depend on what else shares their pass (batch-invariant kernels), so
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -52,6 +62,8 @@ from scorer_service.bank_link import BankLink, DocLease, StaleAttachment
 from scorer_service.metrics import ScorerMetrics
 
 log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 2  # row passes launched and not yet read
 
 
 @dataclass(eq=False)
@@ -106,8 +118,14 @@ class RowBatcher:
         self._rows = 0  # rows waiting in all
         self._cond = threading.Condition()
         self._stopping = False
+        # Launched passes whose device work is not known to be done (CUDA only; under _cond): while
+        # one is, the worker waits to fill the next pass. The watcher drops each once its event fired.
+        self._running: set[_Launched] = set()
+        self._device_waits: queue.SimpleQueue[_Launched | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._run, name="kev-row-worker", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_device, name="kev-row-device", daemon=True)
         self._worker.start()
+        self._watcher.start()
 
     @property
     def depth(self) -> int:
@@ -149,34 +167,42 @@ class RowBatcher:
             self._stopping = True
             self._cond.notify()
         self._worker.join(timeout_s)
+        self._device_waits.put(None)
+        self._watcher.join(timeout_s)
 
     # ------------------------------------------------------------------------------ worker
 
-    def _take(self, wait: bool = True) -> list[_Row] | None:
-        """The next pass's rows (None: stopped and drained; [] with `wait`: time for one capture,
-        without `wait`: no pass is ready now)."""
+    def _take(self, inflight: deque[_Launched]) -> list[_Row] | None:
+        """What the worker does next: the rows of a pass to launch now; [] to read the oldest
+        launched pass's answers (with `inflight`) or to capture one CUDA graph (without); None:
+        stopped and drained.
+
+        Rows go at once while no pass is on the device; while one is, only a full pass, or rows
+        whose oldest has waited `max_wait_ms`, go ahead of it (a second pass in flight), and the
+        worker waits for more rows, the window or the device (the watcher's notify), whichever
+        comes first. The oldest pass's answers are read when nothing is to be launched now."""
         with self._cond:
             while True:
                 self._drop_done()
-                if self._queue:
-                    oldest = min(w.since for w in self._queue)
+                timeout = None
+                if self._queue and len(inflight) < MAX_IN_FLIGHT:
                     picks = self._round_robin()
                     full = len(picks) < self._rows or len(picks) >= self.max_rows \
                         or sum(r.tokens for _, r in picks) >= self.max_tokens
-                    due = oldest + self.max_wait_s - time.monotonic()
-                    if full or due <= 0 or self._stopping:
+                    timeout = min(w.since for w in self._queue) + self.max_wait_s - time.monotonic()
+                    if not self._running or full or timeout <= 0 or self._stopping:
                         return self._pop(picks)
-                    if not wait:
-                        return []
-                    self._cond.wait(due)
+                if inflight:
+                    if len(inflight) >= MAX_IN_FLIGHT or inflight[0] not in self._running or self._stopping:
+                        return []  # read the oldest pass's answers (waiting for the device if need be)
                 elif self._stopping:
-                    return None
-                elif not wait:
-                    return []
+                    return None  # nothing queued (rows would have gone above), nothing in flight
                 elif self._idle_work():
                     return []  # nothing queued: time for one capture
-                else:
-                    self._cond.wait()
+                busy, waited = bool(self._running), time.perf_counter()
+                self._cond.wait(timeout)
+                if busy:  # blocked while the GPU runs a pass: the worker's device_wait phase
+                    self.metrics.row_pass_phase("device_wait", time.perf_counter() - waited)
 
     def _round_robin(self) -> list[tuple[_Waiting, _Row]]:
         """Called with _cond held: the next pass's rows, one of each waiting request in turn (round
@@ -227,20 +253,31 @@ class RowBatcher:
             log.exception("idle CUDA-graph capture failed")
 
     def _run(self) -> None:
-        inflight: _Launched | None = None  # launched, answers not read yet
+        inflight: deque[_Launched] = deque()  # launched, answers not read yet; oldest first
         while True:
-            rows = self._take(wait=inflight is None)
+            rows = self._take(inflight)
             if rows is None:
                 break
-            if not rows and inflight is None:
+            if rows:
+                launched = self._launch(rows)
+                if launched is not None:
+                    inflight.append(launched)
+            elif inflight:
+                self._finish(inflight.popleft())
+            else:
                 self._capture_when_idle()
-                continue
-            launched = self._launch(rows) if rows else None
-            if inflight is not None:
-                self._finish(inflight)
-            inflight = launched
-        if inflight is not None:
-            self._finish(inflight)
+
+    def _watch_device(self) -> None:
+        """The `kev-row-device` thread: waits for each launched pass's device work (in launch
+        order) and wakes the worker, which may then launch the rows it held back."""
+        while (launched := self._device_waits.get()) is not None:
+            try:
+                launched.pending.wait()
+            except Exception:  # noqa: BLE001 - the worker's own wait raises it again and fails the pass
+                pass
+            with self._cond:
+                self._running.discard(launched)
+                self._cond.notify()
 
     def _launch(self, rows: list[_Row]) -> _Launched | None:
         """Checks the rows' handles, packs them and queues their pass and head (no device wait)."""
@@ -280,14 +317,23 @@ class RowBatcher:
         self.metrics.row_pass_phase("launch", end - start)
         self.metrics.row_launch({"check": checked - start, "pack": packed - checked, "pass": passed - packed,
                                  "head": end - passed}, time.thread_time() - cpu_start)
-        return _Launched(jobs, pending, start, int(batch.tokens.numel()))
+        launched = _Launched(jobs, pending, start, int(batch.tokens.numel()))
+        if pending.ready is not None:  # on the device until its event: the watcher says when
+            with self._cond:
+                self._running.add(launched)
+            self._device_waits.put(launched)
+        return launched
 
     def _finish(self, launched: _Launched) -> None:
         """Waits for the pass's answers and hands them to its jobs."""
         jobs = launched.jobs
         try:
             waited = time.perf_counter()
-            launched.pending.wait()
+            try:
+                launched.pending.wait()
+            finally:
+                with self._cond:
+                    self._running.discard(launched)
             answered = time.perf_counter()
             answers = launched.pending.result()
         except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error

@@ -3,7 +3,8 @@
 Acquire look-up/pass/pin, batching of concurrent misses, the bank memory mapped from this process
 (bit-identical to an in-process state pass, writes landing in the owner's pages), LRU eviction of
 unpinned entries only, lease expiry of a crashed holder, Redis outages and restarts, bad input.
-The main bank waits up to 200 ms for more documents per state pass, so batching is deterministic.
+Which documents share a state pass depends on timing here (an idle bank passes a document at once);
+tests/services/test_idle_batching.py holds a pass in flight to test that, and abandoned Acquires.
 """
 
 import json
@@ -87,7 +88,7 @@ def redis_srv():
 
 @pytest.fixture(scope="module")
 def bank(ckpt, redis_srv, tmp_path_factory):
-    proc = start_bank(ckpt, redis_srv.url, tmp_path_factory.mktemp("logs"), max_wait_ms=200)
+    proc = start_bank(ckpt, redis_srv.url, tmp_path_factory.mktemp("logs"))
     yield proc
     assert proc.stop() == 0, proc.log_text()[-3000:]
     assert proc.shm_files() == [], "the bank left its shared memory behind"
@@ -149,7 +150,7 @@ def test_concurrent_acquires_of_one_document_pass_it_once(bank):
     assert all(release(stub, r) for r in results)
 
 
-def test_concurrent_new_documents_share_one_state_pass(bank):
+def test_concurrent_new_documents_are_each_passed_once(bank):
     stub = bank.stub()
     docs = [doc(n, "batch") for n in (3, 17, 64, 65, 130, 250)]
     passes = counter(bank, "kev_bank_state_passes_total")
@@ -157,7 +158,7 @@ def test_concurrent_new_documents_share_one_state_pass(bank):
     results = concurrently(lambda ids: acquire(stub, ids), [(d,) for d in docs])
     assert all(isinstance(r, pb.AcquireResponse) and not r.cached for r in results), results
     assert len({r.handle.slot for r in results}) == len(docs)
-    assert counter(bank, "kev_bank_state_passes_total") - passes == 1
+    assert 1 <= counter(bank, "kev_bank_state_passes_total") - passes <= len(docs)
     assert counter(bank, "kev_bank_state_pass_tokens_total") - tokens == sum(map(len, docs))
     assert all(release(stub, r) for r in results)
 
@@ -231,23 +232,6 @@ def test_writes_in_place_reach_the_owners_pages(bank):
     finally:
         state.copy_(original)
         release(stub, held)
-
-
-def test_abandoned_acquire_keeps_no_pin(bank, redis_srv):
-    stub, ids = bank.stub(), doc(21, "abandon")
-    with pytest.raises(grpc.RpcError) as err:
-        acquire(stub, ids, timeout=0.02)  # gone long before the 200 ms batching window closes
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    key = document_key(TINY_MODEL_ID, ids)
-    deadline = time.monotonic() + 5
-    while not [e for e in directory(redis_srv).entries() if e.doc_key == key]:
-        assert time.monotonic() < deadline, "the state pass never registered"
-        time.sleep(0.02)
-    time.sleep(0.2)
-    (entry,) = [e for e in directory(redis_srv).entries() if e.doc_key == key]
-    assert entry.pins == 0
-    again = acquire(stub, ids)
-    assert again.cached and release(stub, again)
 
 
 BAD = {
