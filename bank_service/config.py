@@ -46,6 +46,8 @@ class BankConfig:
     # Environment, the flag of the same name overrides: CUDA graphs (kev/exec/passes.py)
     # every state pass up to the pass caps below runs as a CUDA graph, all captured at start-up; off: none
     cuda_graphs: bool = env_field("KEV_CUDA_GRAPHS", True)
+    # the model's weights in shared memory (CUDA IPC on GPU) for the scorers to map: one copy per GPU
+    share_weights: bool = env_field("KEV_SHARE_WEIGHTS", True)
     warm_classes: str = env_field("KEV_WARM_CLASSES", "all")  # autotune classes warmed at start-up ("all", "none", a list)
     # Flags
     node: str = ""  # directory namespace of this bank; default (from_env): the host name

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kev.bank.shared import SharedBank, reclaim_stale_segments
+from kev.bank.shared_weights import SharedWeights
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
@@ -106,7 +107,8 @@ class BankServicer(bank_pb2_grpc.BankServicer):
         if request.model and request.model != s.model_id:
             abort(context, InvalidArgument(f"model: {request.model!r} is not served here "
                                            f"(this bank serves {s.model_id!r})"))
-        return s.shared.attach_response(s.model_id, s.config.node)
+        weights = s.weights.descriptors() if s.weights is not None else None
+        return s.shared.attach_response(s.model_id, s.config.node, weights)
 
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         s = self._ready(context)
@@ -130,6 +132,7 @@ class BankService:
         self.server: GrpcServer | None = None
         self.port = 0
         self.shared: SharedBank | None = None
+        self.weights: SharedWeights | None = None  # the model's weights, mapped by the scorers (KEV_SHARE_WEIGHTS)
         self.acquirer: Acquirer | None = None
 
     def start(self, stop: threading.Event | None = None) -> bool:
@@ -148,12 +151,18 @@ class BankService:
 
         t0 = time.perf_counter()
         log.info("start-up: loading weights from %s on %s", cfg.checkpoint, cfg.device)
+        # Shared weights are read into host memory and moved into the shared segment tensor by
+        # tensor: the device never holds two copies, even while loading (kev/bank/shared_weights.py).
         loaded = LoadedModel.load(cfg.checkpoint, cfg.adapter, device=cfg.device,
-                                  limits=Limits(max_document_tokens=cfg.max_document_tokens))
+                                  limits=Limits(max_document_tokens=cfg.max_document_tokens),
+                                  host_staging=cfg.share_weights and cfg.device != "cpu")
         self.model_id, self.vocab_size = loaded.model_id, loaded.model.cfg.vocab_size
         log.info("weights loaded in %.1f s", time.perf_counter() - t0)
         dtype = next(loaded.model.parameters()).dtype
         reclaim_stale_segments(cfg.shm_dir)  # files of bank instances that died (kev/bank/shared.py)
+        if cfg.share_weights:
+            self.weights = SharedWeights.create(loaded.model, device=cfg.device, instance=self.instance,
+                                                shm_dir=cfg.shm_dir)
         self.shared = SharedBank.create(
             loaded.model.cfg, cfg.memory_bytes, instance=self.instance, dtype=dtype, device=cfg.device,
             block_size=cfg.block_size, avg_doc_tokens=cfg.avg_doc_tokens, max_doc_tokens=cfg.max_document_tokens,
@@ -215,4 +224,6 @@ class BankService:
                 log.warning("could not drop the directory namespace: %s", e)
         if self.shared is not None:
             self.shared.close()
+        if self.weights is not None:
+            self.weights.close()
         log.info("stopped")

@@ -60,14 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     log_settings(log, config)
     set_switch_interval(config.switch_interval_ms)
     start = time.perf_counter()
-    log.info("start-up: loading weights from %s on %s", config.checkpoint, config.device)
-    loaded = LoadedModel.load(config.checkpoint, config.adapter, device=config.device, limits=config.limits)
+    # No weights here: the first attachment maps the bank's (or reads them, if the bank shares none).
+    log.info("start-up: loading %s (tokenizer, head; weights come with the bank) on %s", config.checkpoint,
+             config.device)
+    loaded = LoadedModel.load(config.checkpoint, config.adapter, device=config.device, limits=config.limits,
+                              weights=False)
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
              config.ops_backend)
     metrics = ScorerMetrics()
     # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/exec/passes.py).
     ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)
-    builder = PassBuilder(loaded.model, ops, PassRole.ROWS, config.graph_plan)
+    builder = PassBuilder(None, ops, PassRole.ROWS, config.graph_plan)  # each attachment brings its model
     metrics.watch_graphs(lambda: builder.graph_stats)
     link = BankLink(config, loaded, builder, metrics)
     batcher = RowBatcher(link, loaded.head, metrics, max_rows_per_pass=config.max_rows_per_pass,

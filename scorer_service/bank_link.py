@@ -24,10 +24,13 @@ a live slot of another document (a forged or corrupted entry) is a `WrongEntry`:
 dropped from the directory (repair), the request retries once through the bank (which holds the
 truth), and fails with a clear UNAVAILABLE if the entry cannot be dropped (pinned).
 
-Passes. Each attachment has its own passes (`kev.exec.passes.PassBuilder.build`): on CUDA, graphs
-hold the mapped memory's addresses, so a new bank instance gets new graphs. The process's tuner
-and its warm-up are kept; the first attachment (start-up, before SERVING) captures the start-up
-buckets, a re-attachment only queues them for the row worker's idle time.
+Passes. Each attachment has its own model and passes (`kev.exec.passes.PassBuilder.build`): the
+model is bound to the weights the bank shares (`AttachResponse.weights`, kev/bank/shared_weights.py:
+one copy per GPU; the scorer reads its own only from a bank that shares none), and on CUDA the
+graphs hold the mapped memory's addresses, so a new bank instance gets a new model and new graphs
+and the old mappings go with the old attachment. The process's tuner and its warm-up are kept;
+the first attachment (start-up, before SERVING) captures every key, a re-attachment queues them
+(each captured at its first use).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from kev.bank.bank import BankHandle
 from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.bank.doc_key import document_key, key_fingerprint
 from kev.bank.shared import WrongDocument
+from kev.bank.shared_weights import map_weights
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.exec.passes import PassBuilder, Passes
@@ -109,6 +113,7 @@ class BankLink:
         self.redis = connect(config.redis_url)
         self._lock = threading.Lock()  # guards attach / re-attach
         self._current: Attachment | None = None
+        self._own_model = None  # this process's weights, only when a bank shares none
         self._pins = 0
         self._pins_lock = threading.Lock()
 
@@ -137,15 +142,31 @@ class BankLink:
                 return seen
             try:
                 bank = self._attach_fn(resp)
+                model = self._model_for(resp)
             except (OSError, ValueError) as e:  # the segment is gone (bank crashed), or a layout mismatch
                 raise Unavailable(f"cannot map the memory of bank instance {resp.instance}: {e}") from None
             # Start-up captures here (nothing runs yet); a re-attach leaves capture to the row worker.
-            passes = self.builder.build(bank, capture=self._current is None)
+            passes = self.builder.build(bank, capture=self._current is None, model=model)
             att = Attachment(resp.instance, resp.node, epoch, bank, passes, directory)
             log.info("attached bank instance %s (node %s, %d slots, %d blocks)", resp.instance, resp.node,
                      resp.slot_count, resp.block_count)
             self._current = att
             return att
+
+    def _model_for(self, resp: bank_pb2.AttachResponse):
+        """The model for this bank instance: bound to the weights it shares (no copy here; a new
+        instance's replace the old ones with the old attachment), else this process's own copy,
+        read once from the checkpoint."""
+        if resp.weights_shared:
+            model = self.loaded.bind(map_weights(resp.weights))
+            log.info("mapped the weights of bank instance %s (%d tensors): no copy of them here",
+                     resp.instance, len(resp.weights))
+            return model
+        if self._own_model is None:
+            log.info("bank instance %s shares no weights: reading them from %s", resp.instance,
+                     self.loaded.source[0])
+            self._own_model = self.loaded.own_model()
+        return self._own_model
 
     def _who_is_there(self) -> tuple[bank_pb2.AttachResponse, Directory, str | None]:
         """The bank's Attach answer with the directory epoch that held throughout a second Attach:

@@ -70,7 +70,8 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 2  # 2: fingerprints beside the generations
 SEGMENT_PREFIX = "kev-bank-"
-_SEGMENT_NAME = re.compile(r"kev-bank-[0-9a-f]+-(\d+)-[0-9a-f]+")  # kev-bank-<time>-<pid>-<uuid> (bank_service)
+# kev-bank-<time>-<pid>-<uuid> (bank_service), and its weights (kev/bank/shared_weights.py)
+_SEGMENT_NAME = re.compile(r"kev-bank-[0-9a-f]+-(\d+)-[0-9a-f]+(?:-weights)?")
 # The reaper: waits for its stdin (a pipe the owner holds) to close, then unlinks its arguments.
 _REAPER = ("import os,sys\nsys.stdin.buffer.read()\nfor p in sys.argv[1:]:\n"
            " try: os.unlink(p)\n except OSError: pass\n")
@@ -391,12 +392,14 @@ class SharedBank:
                 descriptor=seg_bytes[id(segment)]))
         return out
 
-    def attach_response(self, model: str, node: str) -> pb.AttachResponse:
+    def attach_response(self, model: str, node: str,
+                        weights: list[pb.TensorDescriptor] | None = None) -> pb.AttachResponse:
+        """What a mapper needs; `weights`: the model's shared weights (kev/bank/shared_weights.py), if any."""
         pools = self.bank.pools
         return pb.AttachResponse(
             model=model, node=node, instance=self.instance, slot_count=pools.num_slots,
             block_size=pools.block_size, block_count=pools.num_blocks, pools=self.descriptors(),
-            weights_shared=False, layout_version=LAYOUT_VERSION)
+            weights_shared=bool(weights), weights=weights or [], layout_version=LAYOUT_VERSION)
 
     def close(self) -> None:
         """Unlink the segment files and drop this process's views. Call after every mapper is gone

@@ -232,7 +232,7 @@ class PassBuilder:
     process's `ClassTuner` (CUDA), warms every class once, and keeps one `GraphStats` for the
     process's graphs over re-attaches."""
 
-    def __init__(self, model: Qwen35Model, ops: Ops, role: PassRole, plan: GraphPlan = GraphPlan(),
+    def __init__(self, model: Qwen35Model | None, ops: Ops, role: PassRole, plan: GraphPlan = GraphPlan(),
                  state_chunk_tokens: int = 8192):
         self.model, self.ops, self.role, self.plan = model, ops, role, plan
         self.state_chunk_tokens = state_chunk_tokens
@@ -251,17 +251,22 @@ class PassBuilder:
         used = {k.shape_class for ladder in self.ladders() if ladder is not None for k in ladder.keys()}
         return [c for c in ShapeClass if c in used]
 
-    def build(self, bank, *, capture: bool = True) -> Passes:
-        """Passes against `bank` (a `Bank` or an attached view). On CUDA with TritonOps: warm the
-        classes (first build only), then capture every key now (`capture`) or queue them."""
+    def build(self, bank, *, capture: bool = True, model: Qwen35Model | None = None) -> Passes:
+        """Passes against `bank` (a `Bank` or an attached view), with `model` (default: the
+        builder's; a scorer passes the model bound to this bank's shared weights). On CUDA with
+        TritonOps: warm the classes (first build only), then capture every key now (`capture`) or
+        queue them."""
+        model = model if model is not None else self.model
+        if model is None:
+            raise ValueError("PassBuilder.build needs a model (the builder was made without one)")
         if bank.block_table.device.type != "cuda" or not _indexed(self.ops):
             if bank.block_table.device.type == "cuda":
                 log.info("%s ops on CUDA: no class tuning and no CUDA graphs", self.ops.name)
-            return Passes(self.model, bank, self.ops, self.state_chunk_tokens)
+            return Passes(model, bank, self.ops, self.state_chunk_tokens)
         with self._lock:
             if self.tuner is None:
                 self.tuner, self.graph_stats = serving_tuner(), GraphStats()
-            passes = Passes(self.model, bank, self.ops, self.state_chunk_tokens, tuner=self.tuner)
+            passes = Passes(model, bank, self.ops, self.state_chunk_tokens, tuner=self.tuner)
             if not self._warm_done:
                 start = time.perf_counter()
                 self.warmed, self._warm_done = warm_up(passes, self.warm_classes), True

@@ -343,9 +343,11 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     require_head: bool = False,
     require_tokenizer: bool = False,
+    weights: bool = True,
 ) -> Checkpoint:
     """Config, checked weights (LoRA merged: `adapter_dir`, or one inside the checkpoint directory),
-    and where the head/tokenizer are.
+    and where the head/tokenizer are. `weights=False`: everything but the weights (a scorer that
+    maps the bank's copy), whose dict is then empty.
 
     fp32 on CPU and bf16 on GPU are the caller's choice through `dtype`.
     """
@@ -356,6 +358,8 @@ def load_checkpoint(
     side = find_side_files(checkpoint_dir, adapter, require_head=require_head, require_tokenizer=require_tokenizer)
     head_path, tokenizer_path, meta = side.head_path, side.tokenizer_path, side.meta
 
+    if not weights:
+        return Checkpoint(config, {}, head_path, tokenizer_path, meta)
     if adapter is None:
         weights = read_weights(checkpoint_dir, config, dtype=dtype, device=device)
     else:

@@ -70,6 +70,23 @@ class Linear(nn.Linear):
         return tiled_linear(x, self.weight, self.bias, self.row_tile)
 
 
+def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One view spanning `parts` when they are contiguous and lie back to back in one storage
+    (rows of one buffer), else None."""
+    first = parts[0]
+    if first.device.type == "meta" or not all(p.is_contiguous() for p in parts):
+        return None
+    if any(p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for p in parts):
+        return None
+    offset = first.storage_offset()
+    for p in parts:
+        if p.storage_offset() != offset or p.shape[1:] != first.shape[1:]:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 class FusedProjection:
     """Linears of one input run as one GEMM. Their weights (and biases) become row views of one
     concatenated buffer, so the parameters keep their names and `state_dict` its keys; calling it
@@ -83,8 +100,16 @@ class FusedProjection:
         self.linears = tuple(linears)
         self.splits = [lin.out_features for lin in linears]
         with torch.no_grad():
-            self.weight = torch.cat([lin.weight for lin in linears])  # [sum(out), in]
-            self.bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+            # Weights already back to back in one buffer (mapped from the owner that fused them:
+            # kev/bank/shared_weights.py) are adopted as they are, without a copy.
+            self.weight = _adjacent([lin.weight for lin in linears])
+            if self.weight is None:
+                self.weight = torch.cat([lin.weight for lin in linears])  # [sum(out), in]
+            self.bias = None
+            if linears[0].bias is not None:
+                self.bias = _adjacent([lin.bias for lin in linears])
+                if self.bias is None:
+                    self.bias = torch.cat([lin.bias for lin in linears])
             start = 0
             for lin, n in zip(linears, self.splits):
                 lin.weight = nn.Parameter(self.weight[start:start + n], requires_grad=lin.weight.requires_grad)

@@ -93,6 +93,29 @@ def test_answers_equal_in_process_engine(served):
     assert directory(stack).pins_held() == 0
 
 
+def test_scorers_map_the_banks_weights(served):
+    """One copy of the weights (issue 28): the bank shares them, and each scorer process maps the
+    bank's weights file and reads its parameters from it (the engine comparison above holds its own
+    weights: answers are the same)."""
+    import json
+    from pathlib import Path
+
+    from kev.v1 import bank_pb2, bank_pb2_grpc
+
+    stack, _, _ = served
+    with grpc.insecure_channel(stack.bank_addr) as channel:
+        resp = bank_pb2_grpc.BankStub(channel).Attach(bank_pb2.AttachRequest(model=TINY_MODEL_ID), timeout=10)
+    assert resp.weights_shared and resp.weights
+    path = json.loads(resp.weights[0].descriptor)["path"]
+    assert Path(path).name.endswith("-weights") and {json.loads(d.descriptor)["path"] for d in resp.weights} == {path}
+    scorer = stack.scorers[0]
+    smaps = Path(f"/proc/{scorer.pid}/smaps").read_text().split("\n")
+    start = next(i for i, line in enumerate(smaps) if line.endswith(path))
+    rss_kb = next(int(line.split()[1]) for line in smaps[start + 1:] if line.startswith("Rss:"))
+    assert rss_kb > 0, "the scorer maps the weights file but never read it"
+    assert "mapped the weights of bank instance" in Path(scorer.log_path).read_text()
+
+
 def test_second_scorer_gives_identical_answers(served):
     stack, requests, want = served
     second = stack.add_scorer()
