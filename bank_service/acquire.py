@@ -207,6 +207,10 @@ class Acquirer:
             job = self._queue.popleft()
             batch.append(job)
             tokens += len(job.tokens)
+        if self._queue and len(batch) > 1:  # more wait: fit this pass to its graph key, the rest go next
+            keep = self.passes.documents_to_take([len(j.tokens) for j in batch])
+            self._queue.extendleft(reversed(batch[keep:]))
+            batch = batch[:keep]
         self.metrics.queue_depth.set(len(self._queue))
         return batch
 

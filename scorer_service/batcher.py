@@ -191,6 +191,8 @@ class RowBatcher:
                         or sum(r.tokens for _, r in picks) >= self.max_tokens
                     timeout = min(w.since for w in self._queue) + self.max_wait_s - time.monotonic()
                     if not self._running or full or timeout <= 0 or self._stopping:
+                        if len(picks) < self._rows:  # rows wait beyond this pass: fit it to its graph key
+                            picks = picks[: self._rows_to_take(picks)]
                         return self._pop(picks)
                 if inflight:
                     if len(inflight) >= MAX_IN_FLIGHT or inflight[0] not in self._running or self._stopping:
@@ -223,6 +225,13 @@ class RowBatcher:
             if not added:
                 return picks
             depth += 1
+
+    def _rows_to_take(self, picks: list[tuple[_Waiting, _Row]]) -> int:
+        """How many of a full pass's rows to take when more wait: the trailing ones (the deepest of
+        their requests, so each request's rows taken stay a prefix) go first in the next pass
+        rather than spill this one just past a CUDA-graph key's tokens (kev/exec/graphs.py)."""
+        att = self.link.current
+        return len(picks) if att is None else att.passes.rows_to_take([r.tokens for _, r in picks])
 
     def _pop(self, picks: list[tuple[_Waiting, _Row]]) -> list[_Row]:
         """Called with _cond held: removes `picks` from their requests; the requests served move to

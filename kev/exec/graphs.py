@@ -26,10 +26,12 @@ picks are copied out right after its replay, in stream order).
 from __future__ import annotations
 
 import enum
+from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,6 +93,22 @@ class KeyLadder:
 
     def keys(self) -> list[GraphKey]:
         return [GraphKey(self.kind, T, C) for T in self.tokens for C in self.chunk_sizes(T)]
+
+    def best_prefix(self, lens: Sequence[int]) -> int:
+        """How many leading sequences of `lens` to run now when the rest can wait for the next pass
+        (a full pass with more waiting): all of them, or the most that fit the ladder step below
+        theirs, whichever pads a smaller share (a pass spilling just past a step pads up to a
+        quarter of it; cut back to the step, it pads less than one sequence)."""
+        full = self.key_for(lens)
+        lower = [T for T in self.tokens if full is not None and T < full.tokens]
+        if not lower:
+            return len(lens)
+        prefix = list(accumulate(lens, initial=0))
+        k = bisect_right(prefix, lower[-1]) - 1  # the most leading sequences within that step
+        cut = self.key_for(lens[:k]) if k >= 1 else None
+        if cut is not None and prefix[k] * full.tokens > prefix[-1] * cut.tokens:
+            return k
+        return len(lens)
 
     def key_for(self, lens: Sequence[int]) -> GraphKey | None:
         """The smallest key a pass of sequences of `lens` tokens fits, or None (beyond the caps)."""

@@ -144,6 +144,19 @@ class Passes:
         return all(self.graphs.state_key([min(n - done, chunk) for n in lens if n > done]) is not None
                    for done in range(0, max(lens, default=0), chunk))
 
+    def rows_to_take(self, row_lens: Sequence[int]) -> int:
+        """Of a full row pass with more rows waiting, how many leading rows to run now
+        (`KeyLadder.best_prefix`: the rest go in the next pass rather than pad this one)."""
+        if self.graphs is None or self.graphs.rows is None:
+            return len(row_lens)
+        return self.graphs.rows.best_prefix(row_lens)
+
+    def documents_to_take(self, doc_lens: Sequence[int]) -> int:
+        """The same for a full state pass of new documents (each within one chunk)."""
+        if self.graphs is None or self.graphs.states is None or max(doc_lens, default=0) > self.state_chunk_tokens:
+            return len(doc_lens)
+        return self.graphs.states.best_prefix(doc_lens)
+
     @property
     def idle_work(self) -> bool:
         """Whether a graph waits to be captured (`capture_when_idle`)."""

@@ -397,13 +397,14 @@ def test_a_full_bank_makes_a_new_document_wait_for_a_pin_to_go(ckpt, redis_srv, 
 
 @pytest.mark.parametrize("lens,ladder,taken", [
     ([48] * 70, "bank", 64),  # max_pass_documents
+    ([1100] * 20, "bank", 13),  # more wait: 14 documents (15,400 tokens) would pad to 16,384; 13 fill 14,336
     ([2200] * 8, "bank", 7),  # the bank's ladder covers its pass caps: only the caps stop a batch
     ([2200] * 8, (8192, 64), 3),  # a ladder below the caps: 4 x 2,200 tokens would have no key, stop at 3
     ([48] * 20, (16384, 8), 8),  # ... nor would a ninth document on a ladder of 8 documents
     ([2200] * 8, None, 7),  # no graphs (CPU): only the caps
     ([9000, 48, 48], (8192, 64), 1),  # chunk by chunk (8,192 and 808) on the graphs; with a companion, 8,240: none
     ([5000, 48, 48], (4096, 64), 3),  # a pass that has no key from the start takes what the caps allow
-], ids=["short", "long-bank-ladder", "long-small-ladder", "many-small-ladder", "long-no-graphs", "chunked",
+], ids=["short", "fit-to-key", "long-bank-ladder", "long-small-ladder", "many-small-ladder", "long-no-graphs", "chunked",
         "unkeyed-first"])
 def test_state_pass_batch_stays_on_the_graphs(lens, ladder, taken):
     """The worker's batch: up to the caps, but never grown from a pass that runs in CUDA-graph keys
@@ -428,6 +429,7 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, taken):
     # the real `Passes.state_keyed` over a graph cache of that ladder (nothing captured: no GPU here)
     passes = SimpleNamespace(graphs=GraphCache(states=states) if states else None, state_chunk_tokens=8192)
     passes.state_keyed = lambda doc_lens: Passes.state_keyed(passes, doc_lens)
+    passes.documents_to_take = lambda doc_lens: Passes.documents_to_take(passes, doc_lens)
     metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
     acq = Acquirer(passes, None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
                    max_wait_s=0.0, max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
