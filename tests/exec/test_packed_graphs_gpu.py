@@ -101,3 +101,31 @@ def test_every_key_captured_then_only_replays_bit_identical_to_keyed_eager(setup
         assert rel_err(b.float(), a.float()) <= 2e-2
     for a, b in zip(g_pools, p_pools):
         assert rel_err(b.float(), a.float()) <= 2e-2
+
+
+def test_default_ladders_capture_within_the_stated_bounds(setup):
+    """Every key of the services' default ladders (GraphPlan(): a scorer's ~175 row keys, the bank's
+    ~170 state keys) captured, on the small model, within the bounds docs/design.md states: the
+    graphs' memory (the one shared pool and the static buffers) at most twice the largest pass's
+    activation bound (kev/exec/memory.py), and the captures themselves within 120 s."""
+    import time
+
+    from kev.exec.memory import state_pass_peak_bytes
+    from kev.exec.passes import PassBuilder
+    from kev.exec.plan import GraphPlan, PassRole
+
+    plan = GraphPlan()
+    bank = setup["bank"]()
+    for role in (PassRole.ROWS, PassRole.STATES):
+        rows, states = PassBuilder(None, None, role, plan).ladders()
+        passes = passes_on(setup, bank, GraphCache(rows, states))
+        keys = passes.graphs.all_keys()
+        torch.cuda.synchronize()
+        before, start = torch.cuda.memory_reserved(), time.perf_counter()
+        passes.graphs.capture(passes, keys)
+        torch.cuda.synchronize()
+        seconds, grown = time.perf_counter() - start, torch.cuda.memory_reserved() - before
+        largest = max(k.tokens for k in keys)
+        bound = 2 * state_pass_peak_bytes(setup["cfg"], largest, 1)
+        print(f"{role.value}: {len(keys)} graphs in {seconds:.1f} s, {grown / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)")
+        assert len(keys) <= 200 and seconds < 120 and grown <= bound
