@@ -164,3 +164,51 @@ def test_a_dead_owners_weights_file_is_reclaimed(tmp_path):
     stale = tmp_path / f"kev-bank-1a2b-{pid}-cafe01-weights"
     stale.write_bytes(b"\0" * 256)
     assert reclaim_stale_segments(tmp_path) == [stale] and not stale.exists()
+
+
+CUDA_MAPPER = r"""
+import hashlib, json, sys, torch
+from kev.bank.shared_weights import map_weights
+from kev.loading import _empty_model, _prepared
+from kev.model.config import ModelConfig
+from kev.v1 import bank_pb2 as pb
+
+cfg = ModelConfig.from_dict(json.loads(sys.argv[1]))
+resp = pb.AttachResponse.FromString(open(sys.argv[2], "rb").read())
+torch.cuda.init()
+before = torch.cuda.memory_allocated()
+model = _prepared(_empty_model(cfg), "cuda", map_weights(resp.weights), move=False)
+fused = [m.fused.weight for m in model.modules() if getattr(m, "fused", None) is not None]
+seg = next(model.parameters()).untyped_storage().data_ptr()
+print(json.dumps({"allocated": torch.cuda.memory_allocated() - before,
+                  "one_segment": all(p.untyped_storage().data_ptr() == seg for p in model.parameters()),
+                  "fused_adopted": bool(fused) and all(w.untyped_storage().data_ptr() == seg for w in fused),
+                  "digests": {k: hashlib.sha256(v.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                              for k, v in model.state_dict().items()}}))
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_weights_mapped_by_a_second_process(tmp_path):
+    """On the GPU: the owner's fused bf16 model moved from the host into one CUDA IPC buffer; a
+    second process maps it, allocates nothing for it, adopts the fused projections in place and
+    reads the owner's bytes."""
+    cfg = tiny_config()
+    model = _prepared(_empty_model(cfg), "cuda", random_model(cfg, seed=7, dtype=torch.bfloat16).state_dict(),
+                      move=False)  # host tensors fused as for the GPU: the bank's host staging
+    shared = SharedWeights.create(model, device="cuda", instance=instance(), shm_dir=tmp_path)
+    try:
+        assert all(p.is_cuda for p in model.parameters()) and not shared.segment_paths
+        resp = pb.AttachResponse(weights_shared=True, weights=shared.descriptors())
+        (tmp_path / "attach.bin").write_bytes(resp.SerializeToString())
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, "-c", CUDA_MAPPER, json.dumps(cfg.to_text_dict()),
+                              str(tmp_path / "attach.bin")], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["allocated"] == 0 and got["one_segment"] and got["fused_adopted"]
+        want = {k: hashlib.sha256(v.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for k, v in model.state_dict().items()}
+        assert got["digests"] == want
+    finally:
+        shared.close()
