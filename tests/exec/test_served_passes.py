@@ -90,7 +90,7 @@ def test_build_warms_the_plan_classes_once(monkeypatch, warm):
     monkeypatch.setattr(passes_module, "Passes", lambda *a, **k: SimpleNamespace(device="cuda"))
     monkeypatch.setattr(passes_module, "warm_up", lambda runner, classes: calls.append(list(classes)) or list(classes))
     bank = SimpleNamespace(block_table=SimpleNamespace(device=torch.device("cuda")))
-    builder = PassBuilder(None, None, PassRole.STATES, GraphPlan(cuda_graphs=False, warm=warm))
+    builder = PassBuilder("model", None, PassRole.STATES, GraphPlan(cuda_graphs=False, warm=warm))
     builder.build(bank)
     builder.build(bank, capture=False)
     expected = [ShapeClass.ROWS_FEW, ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE] if warm is None else list(warm)
