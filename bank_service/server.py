@@ -27,6 +27,8 @@ from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
 from kev.exec.plan import PassRole
 from kev.exec.passes import PassBuilder, Passes
+from kev.exec.memory import check_memory_plan, memory_plan
+from kev.model.checkpoint import read_config
 from kev.serving.graph_metrics import GraphCollector
 from kev.request.prompts import Limits
 from kev.serving.errors import InvalidArgument, ServiceError, Unavailable, abort
@@ -150,6 +152,12 @@ class BankService:
         log.info("listening on %s (port %d), instance %s", cfg.listen, self.port, self.instance)
 
         t0 = time.perf_counter()
+        # Memory plan (kev/exec/memory.py): weights + bank + workspaces + graphs against the GPU's
+        # free memory, before any weight is read; MemoryPlanError names every part when it cannot fit.
+        check_memory_plan(memory_plan(read_config(cfg.checkpoint), PassRole.STATES, cfg.graph_plan,
+                                      bank_bytes=cfg.memory_bytes, max_doc_tokens=cfg.max_document_tokens,
+                                      block_size=cfg.block_size, dtype=torch.float32 if cfg.device == "cpu"
+                                      else torch.bfloat16), cfg.device)
         log.info("start-up: loading weights from %s on %s", cfg.checkpoint, cfg.device)
         # Shared weights are read into host memory and moved into the shared segment tensor by
         # tensor: the device never holds two copies, even while loading (kev/bank/shared_weights.py).

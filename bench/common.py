@@ -13,16 +13,43 @@ import torch
 from kev.model.config import ModelConfig
 from kev.model.qwen35 import Qwen35Model
 
-# Published Qwen3.5-4B text shapes (DESIGN §2).
-KEV_4B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560, intermediate_size=9216,
-              num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-              linear_value_head_dim=128, tie_word_embeddings=True,
-              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+# The Kev family: the published Qwen3.5 text shapes of each size (docs/design.md §2; docs/models.md
+# has the table with parameter counts). Every size: vocab 248,320, attention head_dim 256 with RoPE
+# (theta 1e7) on its first quarter, DeltaNet key / value head dims 128, conv kernel 4, one full-
+# attention layer in four (`full_attention_interval` 4), rms eps 1e-6. Where the facts come from
+# (the Hugging Face `config.json` text configs of Qwen/Qwen3.5-*, checked against these copies):
+# - 0.8B: THUDM/slime scripts/models/qwen3.5-0.8B.sh (24 layers, hidden 1,024, MLP 3,584, 8 / 2
+#   heads); copies of its config.json in public code give 16 key / 16 value DeltaNet heads and
+#   tied embeddings;
+# - 4B: the shape every GPU figure so far used (16 / 32 DeltaNet heads, tied);
+# - 9B: transformers 5.17.0's `Qwen3_5TextConfig` defaults, documented there as "the Qwen3.5-9B
+#   style configuration" (32 layers, hidden 4,096, MLP 12,288, 16 / 4 heads, 16 / 32 DeltaNet
+#   heads, untied);
+# - 27B: THUDM/slime scripts/models/qwen3.5-27B.sh (64 layers, hidden 5,120, MLP 17,408, 24 / 4
+#   heads, untied) and the Qwen3.5/3.6-27B model card (48 value / 16 key DeltaNet heads).
+_QWEN35 = dict(model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+KEV_0_8B = dict(_QWEN35, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True)
+KEV_4B = dict(_QWEN35, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+              num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=True)
+KEV_9B = dict(_QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+              num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False)
+KEV_27B = dict(_QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+               num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=48, tie_word_embeddings=False)
+KEV_MODELS: dict[str, dict] = {"kev-0.8b": KEV_0_8B, "kev-4b": KEV_4B, "kev-9b": KEV_9B, "kev-27b": KEV_27B}
+
+
+def kev_config(name: str) -> ModelConfig:
+    """The shape of a Kev size by its name in `KEV_MODELS` ('kev-0.8b', 'kev-4b', 'kev-9b', 'kev-27b')."""
+    if name not in KEV_MODELS:
+        raise ValueError(f"unknown Kev model {name!r}; known: {', '.join(KEV_MODELS)}")
+    return ModelConfig.from_dict(KEV_MODELS[name])
 
 
 def kev4b_config() -> ModelConfig:
-    return ModelConfig.from_dict(KEV_4B)
+    return kev_config("kev-4b")
 
 
 @torch.no_grad()

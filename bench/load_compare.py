@@ -44,7 +44,8 @@ sweep of every system, the ratio to the baseline, the identity check, `default_s
 (bench/results/ by default, overwritten: the commit is inside it); the plot, like every per-run log,
 goes to the git-ignored runs/. Exit status 1 on any error or mismatch.
 
-GPU (Kev-4B shapes, random bf16 weights written once to /tmp/kev-4b-random). The H200 machine has
+GPU (Kev-4B shapes by default, `--model` for another Kev size; random bf16 weights written once to
+/tmp/<model>-random). The H200 machine has
 no redis-server and lacks grpcio-health-checking, grpcio-reflection and redis-py: carry `.whl` (fla),
 `.whl_load` (cp312 wheels) and `.redis_carry` (see bench/device/device_check.py), one workload per command
 (each must end inside 10 minutes; `timeout` makes this driver stop its services first):
@@ -79,6 +80,7 @@ from bench.load import (add_run_args, environment, json_safe, measure_matmul_tfl
 from bench.load_report import (format_breakdown, report, sample_answers, service_overrides, startup_breakdown,
                                write_quietly)
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, Workload, load_builder
+from bench.common import KEV_MODELS
 from bench.random_checkpoint import write_random_checkpoint
 from kev.serving.processes import REPO_ROOT, Proc, free_port
 from kev.stack import Stack
@@ -258,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=None, help="comma-separated subset of kev,gathered,baseline "
                    "(default: all on GPU, kev,baseline on CPU)")
     p.add_argument("--checkpoint", default=None, help="default: a random checkpoint written to --checkpoint-dir")
-    p.add_argument("--checkpoint-dir", default=None, help="default /tmp/kev-4b-random (GPU) or a temp dir (CPU)")
+    p.add_argument("--checkpoint-dir", default=None, help="default /tmp/<model>-random (GPU) or a temp dir (CPU)")
+    p.add_argument("--model", choices=list(KEV_MODELS), default="kev-4b",
+                   help="the Kev size of the random checkpoint on the GPU (bench/common.py; CPU: a tiny model)")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"),
                    help="where load_<workload>.json goes (its plain name, overwritten)")
     p.add_argument("--png-dir", default=str(REPO_ROOT / "runs"),
@@ -327,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         checkpoint = Path(args.checkpoint)
     else:
-        where = args.checkpoint_dir or ("/tmp/kev-4b-random" if on_gpu else workdir / "tiny-random")
-        checkpoint = write_random_checkpoint(where, "kev-4b" if on_gpu else "tiny", args.device)
+        where = args.checkpoint_dir or (f"/tmp/{args.model}-random" if on_gpu else workdir / "tiny-random")
+        checkpoint = write_random_checkpoint(where, args.model if on_gpu else "tiny", args.device)
 
     skipped = {} if on_gpu else {"gathered": "CPU run: the gathered ops are Triton kernels (GPU only)"}
     # Before any service holds the GPU, on the GPU they will share (the rate varies run to run)

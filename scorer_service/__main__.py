@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.serving.errors import ServiceError
@@ -22,6 +24,8 @@ from kev.serving.settings import log_settings
 from kev.ops import get_ops
 from kev.exec.plan import PassRole
 from kev.exec.passes import PassBuilder
+from kev.exec.memory import MemoryPlanError, check_memory_plan, memory_plan
+from kev.model.checkpoint import read_config
 from scorer_service.bank_link import BankLink
 from scorer_service.batcher import RowBatcher
 from scorer_service.config import ConfigError, ScorerConfig
@@ -60,6 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     log_settings(log, config)
     set_switch_interval(config.switch_interval_ms)
     start = time.perf_counter()
+    # Memory plan (kev/exec/memory.py): row-pass workspace + graphs against the GPU's free memory,
+    # before anything is allocated. weights_shared: they are the bank's, mapped (KEV_SHARE_WEIGHTS);
+    # a bank that shares none makes the attachment read a copy here, which this plan does not count.
+    try:
+        check_memory_plan(memory_plan(read_config(config.checkpoint), PassRole.ROWS, config.graph_plan,
+                                      weights_shared=True, max_doc_tokens=config.max_document_tokens,
+                                      dtype=torch.float32 if config.device == "cpu" else torch.bfloat16),
+                          config.device)
+    except MemoryPlanError as e:
+        log.error("%s", e)
+        return 2
     # No weights here: the first attachment maps the bank's (or reads them, if the bank shares none).
     log.info("start-up: loading %s (tokenizer, head; weights come with the bank) on %s", config.checkpoint,
              config.device)

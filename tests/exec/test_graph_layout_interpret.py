@@ -27,20 +27,21 @@ def inputs(cfg, T, g):
                 ak=r(T, cfg.num_key_value_heads, cfg.head_dim), av=r(T, cfg.num_key_value_heads, cfg.head_dim))
 
 
-@pytest.mark.parametrize("key,lens,starts", [
+@pytest.mark.parametrize("key,lens,starts,hv_per_h", [
     # rows: `pytest -m slow` (~15 s); the GPU suite checks row-key padding exact in every token-mixing kernel.
     # Two rows over two chunks, four empty sequences, a 24-token padding sequence, a no-op entry.
-    pytest.param(GraphKey(PassKind.ROWS, 192, 8), [65, 100, 3], None, marks=pytest.mark.slow),
-    # an empty sequence, the padding sequence (50 tokens), a no-op chunk
-    (GraphKey(PassKind.STATE, 128, 4), [48, 30], None),
+    pytest.param(GraphKey(PassKind.ROWS, 192, 8), [65, 100, 3], None, 2, marks=pytest.mark.slow),
+    # an empty sequence, the padding sequence (50 tokens), a no-op chunk; three value heads per key
+    # head (Kev-27B's 48 / 16: the other cases have two)
+    (GraphKey(PassKind.STATE, 128, 4), [48, 30], None, 3),
     # no padding tokens (an empty padding sequence: its entries all no-ops), documents ending mid-chunk
-    (GraphKey(PassKind.STATE, 205, 8), [130, 70, 5], None),
+    (GraphKey(PassKind.STATE, 205, 8), [130, 70, 5], None, 2),
     # a long document's next chunk continuing the state in its slot (reads it), beside a new document:
     # `pytest -m slow` (~30 s); tests/exec/test_graph_layout.py runs continuing chunks through the torch ops
-    pytest.param(GraphKey(PassKind.STATE, 128, 6), [40, 20], [64, 0], marks=pytest.mark.slow),
-], ids=["rows", "state", "state-spare-entries", "state-continuing"])
-def test_key_padding_is_bit_exact(interp, key, lens, starts):
-    cfg = tiny_config(hv_per_h=2)
+    pytest.param(GraphKey(PassKind.STATE, 128, 6), [40, 20], [64, 0], 2, marks=pytest.mark.slow),
+], ids=["rows", "state-hv_per_h=3", "state-spare-entries", "state-continuing"])
+def test_key_padding_is_bit_exact(interp, key, lens, starts, hv_per_h):
+    cfg = tiny_config(hv_per_h=hv_per_h)
     g = torch.Generator().manual_seed(1)
     N, kind, real_tokens = len(lens), key.kind, sum(lens)
     assert len(lens) < key.chunks and chunks_needed(lens, key.tokens) <= key.chunks  # the pass fits the key

@@ -1,8 +1,9 @@
 """GPU checks of the indexed row path (run on the H200; skipped on CPU by conftest's `gpu` marker).
 
-A small model with the real head dims (K = V = 128, attention head_dim 256, HV/H = 2, Hq/Hkv = 4)
-and random bf16 weights. Documents are state-passed into strided bank pools (a long one in
-chunks carried in its slot); rows of 1/17/64/129 tokens in passes of 1/3/8/17/96 rows read them
+A small model with the real head dims (K = V = 128, attention head_dim 256, HV/H = 1, 2 and 3:
+Kev-0.8B's, Kev-4B/9B's and Kev-27B's value heads per key head; Hq/Hkv = 4) and random bf16
+weights. Documents are state-passed into strided bank pools (a long one in chunks carried in its
+slot); rows of 1/17/64/129 tokens in passes of 1/3/8/17/96 rows read them
 back through repeated, strided and changed slot indices.
 - indexed (`TritonOps`) == gathered (`GatheredOps`) bit for bit, hidden states of every token;
 - the bank is bit-for-bit unchanged by row passes;
@@ -33,10 +34,13 @@ ROW_LENS = (1, 17, 64, 129)
 SLOTS = (6, 0, 3, 5, 1, 2)  # slot of each document (slot 4 stays empty)
 
 
-@pytest.fixture(scope="module")
-def setup():
-    cfg = tiny_config(hv_per_h=2, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=256, linear_num_key_heads=4, linear_num_value_heads=8,
+RATIOS = (1, 2, 3)  # value heads per key head
+
+
+@pytest.fixture(scope="module", params=RATIOS, ids=lambda r: f"hv_per_h={r}")
+def setup(request):
+    cfg = tiny_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=256, linear_num_key_heads=4, linear_num_value_heads=4 * request.param,
                       linear_key_head_dim=128, linear_value_head_dim=128)
     # fused before .cuda(): the move re-fuses on the device (what a GPU loader does after loading)
     model = random_model(cfg, seed=1, dtype=torch.bfloat16).set_batch_invariant(0).fuse_projections().cuda()
@@ -97,11 +101,14 @@ def test_triton_matches_torch_reference(setup):
     assert report["hidden"] <= 5e-2
 
 
-def kernel_inputs(seed=0, n=17):
-    """Layer-shaped bf16 inputs for the kernels on their own (K = V = 128, D = 256)."""
+def kernel_inputs(seed=0, n=17, ratio=2):
+    """Layer-shaped bf16 inputs for the kernels on their own (K = V = 128, D = 256, `ratio` value
+    heads per key head)."""
     g = torch.Generator().manual_seed(seed)
     lens = [ROW_LENS[i % 4] for i in range(n)]
-    T, H, HV, K, V, C, W, S = sum(lens), 4, 8, 128, 128, 2 * 4 * 128 + 8 * 128, 4, 9
+    H, K, V, W, S = 4, 128, 128, 4, 9
+    T, HV = sum(lens), H * ratio
+    C = 2 * H * K + HV * V
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     # a slot written in a pass is read by no other sequence of it (the ops' contract)
     read = torch.randint(0, S - 2, (n,), generator=g)
@@ -127,12 +134,13 @@ def kernel_inputs(seed=0, n=17):
     )
 
 
-def test_every_autotune_config_bit_identical():
+@pytest.mark.parametrize("ratio", RATIOS, ids=lambda r: f"hv_per_h={r}")
+def test_every_autotune_config_bit_identical(ratio):
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
     from kev.ops.delta_rule import indexed_scan
 
-    x = kernel_inputs()
+    x = kernel_inputs(ratio=ratio)
     H, HV, K, V = x["H"], x["HV"], x["K"], x["V"]
     hk = H * K
 
@@ -175,7 +183,8 @@ def test_every_autotune_config_bit_identical():
                 assert torch.equal(a, b), f"{name}: config {cfg} differs from {configs[0]}"
 
 
-def test_kernels_match_references():
+@pytest.mark.parametrize("ratio", RATIOS, ids=lambda r: f"hv_per_h={r}")
+def test_kernels_match_references(ratio):
     """Each kernel on its own at the real head dims, against the torch reference."""
     from kev.ops.attention.paged_prefix import paged_prefix_attention
     from kev.ops.conv.indexed_conv import indexed_causal_conv
@@ -183,7 +192,7 @@ def test_kernels_match_references():
     from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
     from kev.ops.meta import PassMeta
 
-    x = kernel_inputs(seed=1)
+    x = kernel_inputs(seed=1, ratio=ratio)
     H, HV, K, V = x["H"], x["HV"], x["K"], x["V"]
     hk = H * K
     read, write, cu = x["read"], x["write"], x["cu"]
