@@ -114,6 +114,9 @@ class BankLink:
         self._lock = threading.Lock()  # guards attach / re-attach
         self._current: Attachment | None = None
         self._own_model = None  # this process's weights, only when a bank shares none
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_owner, name="kev-bank-watch", daemon=True)
+        self._watcher.start()
         self._pins = 0
         self._pins_lock = threading.Lock()
 
@@ -152,6 +155,21 @@ class BankLink:
                      resp.slot_count, resp.block_count)
             self._current = att
             return att
+
+    def _watch_owner(self, every_s: float = 0.5) -> None:
+        """Drops the attachment once its bank is gone (its files unlinked: stopped, or dead and
+        reaped), so this process holds no mapping of the old instance's pools and weights: on a GPU
+        a dead bank's memory stays allocated while anyone maps it, and the next bank needs it. The
+        next request re-attaches; passes still running on the old mappings finish first."""
+        while not self._stop.wait(every_s):
+            att = self._current
+            if att is None or att.bank.owner_alive():
+                continue
+            with self._lock:
+                if self._current is att:
+                    self._current = None
+                    log.warning("bank instance %s is gone: dropped its mappings (pools, weights, graphs)",
+                                att.instance)
 
     def _model_for(self, resp: bank_pb2.AttachResponse):
         """The model for this bank instance: bound to the weights it shares (no copy here; a new
@@ -321,5 +339,6 @@ class BankLink:
             raise ServiceError(f"bank error {code.name}: {details}") from None
 
     def close(self) -> None:
+        self._stop.set()
         self.channel.close()
         self.redis.close()

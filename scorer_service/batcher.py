@@ -275,6 +275,9 @@ class RowBatcher:
                 self._finish(inflight.popleft())
             else:
                 self._capture_when_idle()
+            # Hold nothing of a pass while waiting for the next: its leases reference their bank's
+            # mappings, which must go when that bank does (BankLink._watch_owner).
+            rows = launched = None
 
     def _watch_device(self) -> None:
         """The `kev-row-device` thread: waits for each launched pass's device work (in launch
@@ -287,6 +290,7 @@ class RowBatcher:
             with self._cond:
                 self._running.discard(launched)
                 self._cond.notify()
+            launched = None  # as in `_run`: keep no finished pass while waiting
 
     def _launch(self, rows: list[_Row]) -> _Launched | None:
         """Checks the rows' handles, packs them and queues their pass and head (no device wait)."""

@@ -437,6 +437,7 @@ class AttachedBank:
     generations: torch.Tensor  # [slots] int64, CPU shared memory
     tensors: dict[str, torch.Tensor] = field(repr=False)
     fingerprints: torch.Tensor | None = None  # [slots] int64, CPU shared memory: each slot's document
+    files: list[Path] = field(default_factory=list)  # the owner's /dev/shm files (the generations' at least)
 
     @property
     def num_slots(self) -> int:
@@ -448,6 +449,11 @@ class AttachedBank:
 
     def is_live(self, handle: BankHandle) -> bool:
         return 0 <= handle.slot < self.num_slots and int(self.generations[handle.slot]) == handle.generation
+
+    def owner_alive(self) -> bool:
+        """Whether the owner still holds its memory: it unlinks its files when it stops, and its
+        reaper when it dies (even by SIGKILL). A host read; no RPC, no GPU."""
+        return all(p.exists() for p in self.files)
 
     def check(self, handle: BankHandle, fingerprint: int | None = None) -> None:
         """Raises StaleHandle unless `handle` is the slot's live generation in the owner's table, and
@@ -521,5 +527,6 @@ def attach(response: pb.AttachResponse) -> AttachedBank:
     fingerprints = tensors["fingerprints"]
     if fingerprints.device.type != "cpu" or fingerprints.dtype != torch.int64 or fingerprints.shape != (slots,):
         raise ValueError("attach response: fingerprints must be [slots] int64 in host shared memory")
+    files = [s.path for s in segments.values() if isinstance(s, _ShmSegment)]
     return AttachedBank(response.model, response.node, response.instance, pools, block_table, generations, tensors,
-                        fingerprints)
+                        fingerprints, files)

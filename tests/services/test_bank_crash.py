@@ -48,3 +48,30 @@ def test_sigkilled_bank_leaves_no_segment_and_stale_files_are_reclaimed(redis_se
         holder.wait()
     assert os.path.exists(live)
     assert reclaim_stale_segments(shm) == [live]  # its owner is gone now
+
+
+def test_a_scorer_drops_a_dead_banks_mappings(checkpoint):
+    """Issue 28: a scorer that outlives its bank keeps no mapping of the dead instance's memory (on a
+    GPU it would stay allocated under the next bank): within a few seconds of a SIGKILL its process
+    maps none of the old instance's files (pools, generations, weights), and it answers again once a
+    new bank is up."""
+    from pathlib import Path
+
+    import grpc
+
+    from kev.v1 import scorer_pb2_grpc
+    from service_support import make_documents, make_requests, score, stack_for
+
+    request = make_requests(1, make_documents(1, seed=5), seed=6)[0]
+    with stack_for(checkpoint) as stack:
+        maps = Path(f"/proc/{stack.scorers[0].pid}/maps")
+        with grpc.insecure_channel(stack.scorer_addr) as channel:
+            want = score(scorer_pb2_grpc.ScorerStub(channel), request)
+        mapped = {line.split()[-1] for line in maps.read_text().splitlines() if "kev-bank-" in line}
+        assert any(p.endswith("-weights") for p in mapped) and len(mapped) >= 2, mapped
+        stack.stop_bank(kill=True)
+        wait_for(lambda: not any(p in maps.read_text() for p in mapped), 10, "the dead bank's files unmapped")
+        stack.start_bank()
+        with grpc.insecure_channel(stack.scorer_addr) as channel:
+            got = score(scorer_pb2_grpc.ScorerStub(channel), request)
+        assert got.answers == want.answers
