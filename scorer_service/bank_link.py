@@ -48,6 +48,8 @@ from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.bank.doc_key import document_key, key_fingerprint
 from kev.bank.shared import WrongDocument
 from kev.bank.shared_weights import map_weights
+from kev.exec.memory import check_memory_plan, memory_plan
+from kev.exec.plan import PassRole
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
 from kev.exec.passes import PassBuilder, Passes
@@ -183,6 +185,10 @@ class BankLink:
         if self._own_model is None:
             log.info("bank instance %s shares no weights: reading them from %s", resp.instance,
                      self.loaded.source[0])
+            # the start-up check counted none of them (kev/exec/memory.py): check again with them
+            check_memory_plan(memory_plan(self.loaded.config, PassRole.ROWS, self.builder.plan, weights_shared=False,
+                                          max_doc_tokens=self.config.max_document_tokens, dtype=self.loaded.dtype),
+                              self.config.device)
             self._own_model = self.loaded.own_model()
         return self._own_model
 

@@ -142,6 +142,7 @@ def test_held_out_accuracy_through_the_row_path(engine):
     assert engine.bank.stats().slots_used > 0
 
 
+@pytest.mark.slow  # ~25 s: a whole stack; test_demo_main_prints_the_answers serves the demo through one in CI
 def test_held_out_accuracy_through_the_grpc_stack(engine):
     """The same held-out set through Redis + bank + scorer processes: the same answers bit for bit."""
     from kev.rpc.client import KevClient

@@ -53,8 +53,8 @@ def test_sigkilled_bank_leaves_no_segment_and_stale_files_are_reclaimed(redis_se
 def test_a_scorer_drops_a_dead_banks_mappings(checkpoint):
     """Issue 28: a scorer that outlives its bank keeps no mapping of the dead instance's memory (on a
     GPU it would stay allocated under the next bank): within a few seconds of a SIGKILL its process
-    maps none of the old instance's files (pools, generations, weights), and it answers again once a
-    new bank is up."""
+    maps none of the old instance's files (pools, generations, weights). The next bank shares no
+    weights (KEV_SHARE_WEIGHTS=off): the scorer re-attaches, reads its own copy and answers the same."""
     from pathlib import Path
 
     import grpc
@@ -71,7 +71,10 @@ def test_a_scorer_drops_a_dead_banks_mappings(checkpoint):
         assert any(p.endswith("-weights") for p in mapped) and len(mapped) >= 2, mapped
         stack.stop_bank(kill=True)
         wait_for(lambda: not any(p in maps.read_text() for p in mapped), 10, "the dead bank's files unmapped")
+        stack.bank.env["KEV_SHARE_WEIGHTS"] = "off"
         stack.start_bank()
         with grpc.insecure_channel(stack.scorer_addr) as channel:
             got = score(scorer_pb2_grpc.ScorerStub(channel), request)
         assert got.answers == want.answers
+        assert "shares no weights: reading them from" in Path(stack.scorers[0].log_path).read_text()
+        assert "-weights" not in maps.read_text()
