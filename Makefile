@@ -16,6 +16,8 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/python -m kev.demo
 
+# Two workers (CI's 2 cores): the stack tests spend much of their time waiting on their child
+# processes; --dist loadfile keeps each file on one worker (a module fixture starts one stack).
 test: install
 	PYTHON=$(BIN)/python bash deploy/tools.sh
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile
