@@ -205,8 +205,9 @@ class Stack:
         try:
             self.redis = RedisProc(self.dir)  # StackError when redis-server is missing
             self.redis.start()
-            # The first scorer loads its weights while the bank starts; it attaches (and only then
-            # warms up on the GPU) once the bank is ready, so no two warm-ups share the device.
+            # The first scorer starts while the bank loads; it attaches (mapping the bank's weights,
+            # and only then warming up on the GPU) once the bank is ready, so no two warm-ups share
+            # the device.
             self._start_bank(wait=False)
             self.add_scorer(self.scorer_port, wait=False)
             self.bank.wait_serving(self.start_timeout_s)
