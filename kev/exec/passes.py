@@ -292,7 +292,7 @@ class PassBuilder:
             keys = graphs.all_keys()
             if capture:
                 start = time.perf_counter()
-                log.info("start-up: capturing %d CUDA graphs", len(keys))
+                log.info("start-up: graphs captured 0/%d", len(keys))
                 for k, key in enumerate(keys, 1):
                     graphs.capture(passes, [key])
                     if k % 25 == 0 or k == len(keys):  # a start-up progress line now and then
