@@ -12,7 +12,8 @@ def test_freeze_moves_the_live_heap_out_of_collections():
     alive = [object() for _ in range(1000)]
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= len(alive)
+        # not equal: another test's background thread may free a frozen object meanwhile
+        assert frozen >= len(alive) and gc.get_freeze_count() >= len(alive)
         assert not any(o is alive for o in gc.get_objects())  # frozen objects are not in any generation
         later = [[]]  # allocated after the freeze: still collected as before
         assert any(o is later for o in gc.get_objects())
