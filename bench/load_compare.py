@@ -67,8 +67,10 @@ import atexit
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -201,15 +203,59 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
             baseline = system == "baseline"
             duration = args.baseline_duration if baseline and args.baseline_duration else args.duration
             warmup = args.baseline_warmup_s if baseline and args.baseline_warmup_s is not None else args.warmup_s
-            entry["runs"].append(run_load(running.addr, stream, n, duration_s=duration, max_requests=args.requests,
-                                          warmup_s=warmup, timeout_s=args.timeout_s,
-                                          metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
-                                          service_metrics_urls=running.service_metrics_urls,
-                                          matmul_tflops=matmul_tflops, non_embedding_params=params,
-                                          label=f"{system} {name} x{n}"))
+            with GpuMemoryPeak() as peak:  # the whole pod: bank and scorers (issue 28)
+                run = run_load(running.addr, stream, n, duration_s=duration, max_requests=args.requests,
+                               warmup_s=warmup, timeout_s=args.timeout_s,
+                               metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
+                               service_metrics_urls=running.service_metrics_urls,
+                               matmul_tflops=matmul_tflops, non_embedding_params=params,
+                               label=f"{system} {name} x{n}")
+            run["peak_gpu_memory_gb"] = peak.gb
+            entry["runs"].append(run)
             save()
         entry["done"] = True
         save()
+
+
+class GpuMemoryPeak:
+    """The most GPU memory in use (MB, every process on the GPUs: the whole pod) while the block
+    runs, from `nvidia-smi` every `every_s`; `gb` is None where there is no nvidia-smi (CPU runs)."""
+
+    def __init__(self, every_s: float = 0.25, command: str = "nvidia-smi"):
+        self.every_s, self.command = every_s, command
+        self.peak_mb: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="gpu-memory-peak", daemon=True)
+
+    @property
+    def gb(self) -> float | None:
+        return None if self.peak_mb is None else round(self.peak_mb * 2**20 / 1e9, 2)
+
+    def sample(self) -> float | None:
+        """MB in use now, summed over the GPUs (None without nvidia-smi)."""
+        try:
+            out = subprocess.run([self.command, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        values = [float(v) for v in out.stdout.split() if v.replace(".", "", 1).isdigit()]
+        return sum(values) if out.returncode == 0 and values else None
+
+    def _poll(self) -> None:
+        while True:
+            mb = self.sample()
+            if mb is not None:
+                self.peak_mb = mb if self.peak_mb is None else max(self.peak_mb, mb)
+            if mb is None or self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> "GpuMemoryPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def sweep_of(system: str, args) -> list[int]:

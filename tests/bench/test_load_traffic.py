@@ -202,3 +202,25 @@ def test_the_load_test_starts_the_services_with_their_defaults(monkeypatch, tmp_
     assert stack["scorer_env"]["KEV_WARM_CLASSES"] == "none" and stack["bank_flags"] == ["--max-wait-ms=1"]
     assert results["default_startup"] is False
     assert results["service_overrides"] == {"scorer_env": {"KEV_WARM_CLASSES": "none"}, "bank_flags": ["--max-wait-ms=1"]}
+
+
+def test_gpu_memory_peak_sums_gpus_and_is_none_without_nvidia_smi(tmp_path):
+    """The load run's `peak_gpu_memory_gb` (the whole pod): nvidia-smi's MB summed over the GPUs,
+    the most seen while the block ran; None where nvidia-smi does not run (this machine). The GPU
+    machine's own nvidia-smi is the real one; here a script stands in for it."""
+    from bench.load_compare import GpuMemoryPeak
+
+    with GpuMemoryPeak(command=str(tmp_path / "no-such-nvidia-smi")) as peak:
+        pass
+    assert peak.gb is None
+    counter = tmp_path / "n"
+    counter.write_text("0")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nn=$(cat {counter}); echo $((n + 1)) > {counter}\n"
+                    f"if [ $n -lt 3 ]; then echo 1000; echo 2000; else echo 500; echo 500; fi\n")
+    fake.chmod(0o755)
+    with GpuMemoryPeak(every_s=0.01, command=str(fake)) as peak:
+        import time
+        while int(counter.read_text()) < 5:
+            time.sleep(0.01)
+    assert peak.peak_mb == 3000 and peak.gb == round(3000 * 2**20 / 1e9, 2)
