@@ -216,7 +216,8 @@ def test_gpu_memory_peak_sums_gpus_and_is_none_without_nvidia_smi(tmp_path):
     counter = tmp_path / "n"
     counter.write_text("0")
     fake = tmp_path / "nvidia-smi"
-    fake.write_text(f"#!/bin/sh\nn=$(cat {counter}); echo $((n + 1)) > {counter}\n"
+    # the count is replaced atomically (mv), so neither the script nor the test reads a half-written file
+    fake.write_text(f"#!/bin/sh\nn=$(cat {counter}); echo $((n + 1)) > {counter}.tmp && mv {counter}.tmp {counter}\n"
                     f"if [ $n -lt 3 ]; then echo 1000; echo 2000; else echo 500; echo 500; fi\n")
     fake.chmod(0o755)
     with GpuMemoryPeak(every_s=0.01, command=str(fake)) as peak:
