@@ -383,14 +383,8 @@ class SharedBank:
     def descriptors(self) -> list[pb.TensorDescriptor]:
         """Every shared tensor as a TensorDescriptor (CUDA IPC handles are fresh per call)."""
         seg_bytes = {id(s): s.descriptor() for s in self._segments}
-        out = []
-        for name, t in self.tensors.items():
-            segment = self._placement[name]
-            out.append(pb.TensorDescriptor(
-                name=name, shape=list(t.shape), stride=list(t.stride()), storage_offset=t.storage_offset(),
-                dtype=_TO_PROTO[t.dtype], device=str(t.device), sharing=segment.sharing,
-                descriptor=seg_bytes[id(segment)]))
-        return out
+        return [describe(name, t, self._placement[name], seg_bytes[id(self._placement[name])])
+                for name, t in self.tensors.items()]
 
     def attach_response(self, model: str, node: str,
                         weights: list[pb.TensorDescriptor] | None = None) -> pb.AttachResponse:
@@ -483,20 +477,39 @@ def _open_segment(sharing: int, descriptor: bytes) -> _Segment:
     raise ValueError(f"unknown sharing {sharing}")
 
 
+def describe(name: str, t: torch.Tensor, segment: _Segment, segment_bytes: bytes) -> pb.TensorDescriptor:
+    """`t`, a view of `segment` (whose `descriptor()` is `segment_bytes`), as a TensorDescriptor."""
+    return pb.TensorDescriptor(name=name, shape=list(t.shape), stride=list(t.stride()),
+                               storage_offset=t.storage_offset(), dtype=_TO_PROTO[t.dtype], device=str(t.device),
+                               sharing=segment.sharing, descriptor=segment_bytes)
+
+
+def map_descriptors(descriptors, what: str = "tensor") -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """name -> the view each descriptor names, each segment opened once; and the /dev/shm files
+    opened. Raises ValueError on an unknown dtype or a view past its segment, OSError when a
+    segment cannot be opened."""
+    segments: dict[tuple[int, bytes], _Segment] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for d in descriptors:
+        if d.dtype not in _FROM_PROTO:
+            raise ValueError(f"{what} {d.name!r}: unknown dtype {d.dtype}")
+        key = (d.sharing, d.descriptor)
+        if key not in segments:
+            segments[key] = _open_segment(d.sharing, d.descriptor)
+        try:
+            tensors[d.name] = _typed_view(segments[key].base, _FROM_PROTO[d.dtype], d.shape, d.stride,
+                                          d.storage_offset)
+        except RuntimeError as e:  # as_strided past the segment's end
+            raise ValueError(f"{what} {d.name!r} does not fit its segment: {e}") from None
+    return tensors, [s.path for s in segments.values() if isinstance(s, _ShmSegment)]
+
+
 def attach(response: pb.AttachResponse) -> AttachedBank:
     """Map the bank an `Attach` call described. Raises ValueError on a layout this code does not
     know, a missing tensor or inconsistent shapes; OSError when a segment cannot be opened."""
     if response.layout_version != LAYOUT_VERSION:
         raise ValueError(f"bank layout version {response.layout_version}, this code reads {LAYOUT_VERSION}")
-    segments: dict[tuple[int, bytes], _Segment] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for d in response.pools:
-        if d.dtype not in _FROM_PROTO:
-            raise ValueError(f"tensor {d.name!r}: unknown dtype {d.dtype}")
-        key = (d.sharing, d.descriptor)
-        if key not in segments:
-            segments[key] = _open_segment(d.sharing, d.descriptor)
-        tensors[d.name] = _typed_view(segments[key].base, _FROM_PROTO[d.dtype], d.shape, d.stride, d.storage_offset)
+    tensors, files = map_descriptors(response.pools)
     layers: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("recurrent", "conv", "key_blocks", "value_blocks")}
     for name, t in tensors.items():
         if m := _LAYER_NAME.fullmatch(name):
@@ -527,6 +540,5 @@ def attach(response: pb.AttachResponse) -> AttachedBank:
     fingerprints = tensors["fingerprints"]
     if fingerprints.device.type != "cpu" or fingerprints.dtype != torch.int64 or fingerprints.shape != (slots,):
         raise ValueError("attach response: fingerprints must be [slots] int64 in host shared memory")
-    files = [s.path for s in segments.values() if isinstance(s, _ShmSegment)]
     return AttachedBank(response.model, response.node, response.instance, pools, block_table, generations, tensors,
                         fingerprints, files)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from kev.bank.shared import (_FROM_PROTO, _TO_PROTO, SEGMENT_PREFIX, _align, _CudaSegment, _open_segment, _Reaper,
-                             _ShmSegment, _typed_view)
+from kev.bank.shared import (SEGMENT_PREFIX, _align, _CudaSegment, _Reaper, _ShmSegment, _typed_view, describe,
+                             map_descriptors)
 from kev.model.qwen35 import Qwen35Model
 from kev.v1 import bank_pb2 as pb
 
@@ -93,12 +93,8 @@ class SharedWeights:
 
     def descriptors(self) -> list[pb.TensorDescriptor]:
         """Every tensor as a TensorDescriptor (a CUDA IPC handle is fresh per call)."""
-        seg = self._segment
-        raw = seg.descriptor()
-        return [pb.TensorDescriptor(name=name, shape=list(t.shape), stride=list(t.stride()),
-                                    storage_offset=t.storage_offset(), dtype=_TO_PROTO[t.dtype], device=str(t.device),
-                                    sharing=seg.sharing, descriptor=raw)
-                for name, t in self.tensors.items()]
+        raw = self._segment.descriptor()
+        return [describe(name, t, self._segment, raw) for name, t in self.tensors.items()]
 
     @property
     def segment_paths(self) -> list[Path]:
@@ -116,16 +112,4 @@ class SharedWeights:
 def map_weights(descriptors: Iterable[pb.TensorDescriptor]) -> dict[str, torch.Tensor]:
     """The owner's weights, name -> view of its memory. Raises ValueError on an unknown dtype or
     an inconsistent descriptor, OSError when the segment cannot be opened."""
-    segments: dict[tuple[int, bytes], object] = {}
-    out: dict[str, torch.Tensor] = {}
-    for d in descriptors:
-        if d.dtype not in _FROM_PROTO:
-            raise ValueError(f"shared weight {d.name!r}: unknown dtype {d.dtype}")
-        key = (d.sharing, d.descriptor)
-        if key not in segments:
-            segments[key] = _open_segment(d.sharing, d.descriptor)
-        try:
-            out[d.name] = _typed_view(segments[key].base, _FROM_PROTO[d.dtype], d.shape, d.stride, d.storage_offset)
-        except RuntimeError as e:  # as_strided past the segment's end
-            raise ValueError(f"shared weight {d.name!r} does not fit its segment: {e}") from None
-    return out
+    return map_descriptors(descriptors, "shared weight")[0]

@@ -38,7 +38,7 @@ import torch
 
 from kev.bank.bank import BankHandle
 from kev.exec.batch import RowBatch
-from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, cdiv, chunks_needed, joined_indices
+from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, cdiv, entries_needed, joined_indices
 from kev.ops.attention.paged_prefix import query_block
 from kev.ops.meta import PhasedMeta
 
@@ -118,7 +118,7 @@ class KeyLadder:
         for T in self.tokens:
             if T < total:
                 continue
-            need = max(chunks_needed(lens, T), n + 1)
+            need = entries_needed(lens, T)  # GraphKey.fits, computed once for every C of this T
             for C in self.chunk_sizes(T):
                 if C >= need:
                     return GraphKey(self.kind, T, C)
@@ -371,7 +371,7 @@ class GraphCache:
         torch.cuda.current_stream().wait_stream(side)
         picks = warm.shape[0]
         if picks and (self._out is None or self._out.shape[0] < picks):
-            most = max([picks] + [ladder.max_tokens for ladder in (self.rows,) if ladder is not None])
+            most = max(picks, self.rows.max_tokens if self.rows is not None else 0)  # every row key's picks
             self._out = torch.empty((most, warm.shape[1]), dtype=warm.dtype, device=warm.device)
         out = self._out[:picks] if picks else warm
         graph = torch.cuda.CUDAGraph()

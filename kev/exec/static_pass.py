@@ -5,7 +5,7 @@ A key (`GraphKey`) fixes T tokens and C chunk-list entries (chunks of CHUNK toke
 too). A pass is packed as it is: its n sequences end to end, no padding between them (the eager
 layout, `RowBatch` / `Passes._chunk_pass`). Then sequences n .. C-2 are empty and sequence C-1 is
 the padding sequence, tokens [T_real, T), which reads nothing and writes nowhere. The pass fits
-when T_real <= T, n < C and its chunks plus the padding sequence's are at most C (`chunks_needed`).
+when T_real <= T, n < C and its chunks plus the padding sequence's are at most C (`GraphKey.fits`).
 
 The chunk lists are filled with each pass (`packed_chunks`): the real sequences' chunks, then the
 padding sequence's, then no-op entries (chunks past the padding sequence's end: every kernel masks
@@ -62,6 +62,10 @@ class GraphKey:
         """Picks capacity: every token of a row pass may be one; none for a state pass."""
         return self.tokens if self.kind is PassKind.ROWS else 0
 
+    def fits(self, lens: Sequence[int]) -> bool:
+        """Whether sequences of `lens` tokens pack into this key."""
+        return sum(lens) <= self.tokens and entries_needed(lens, self.tokens) <= self.chunks
+
     @property
     def shape_class(self) -> ShapeClass:
         """The key's autotune class; a graph and its eager warm-up both use it."""
@@ -95,6 +99,12 @@ def cdiv(a: int, b: int) -> int:
 def chunks_needed(lens: Sequence[int], tokens: int, block: int = CHUNK) -> int:
     """Chunk-list entries of sequences of `lens` padded to `tokens` by one padding sequence."""
     return sum(cdiv(n, block) for n in lens) + cdiv(tokens - sum(lens), block)
+
+
+def entries_needed(lens: Sequence[int], tokens: int) -> int:
+    """The least C of a key of `tokens` tokens that holds sequences of `lens`: their chunks and the
+    padding sequence's, and a sequence slot each plus the padding sequence's (the fit test, once)."""
+    return max(chunks_needed(lens, tokens), len(lens) + 1)
 
 
 def packed_chunks(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
@@ -151,8 +161,7 @@ class StaticPass:
         return PassIndices(chunks=self.chunks, chunk_offsets=self.chunk_offsets, attn_chunks=dict(self.attn_chunks))
 
     def fits(self, lens: Sequence[int]) -> bool:
-        key = self.key
-        return sum(lens) <= key.tokens and len(lens) < key.chunks and chunks_needed(lens, key.tokens) <= key.chunks
+        return self.key.fits(lens)
 
     def _fill_host(self, block: torch.Tensor, lens: Sequence[int], tokens, positions, read, write, prefix,
                    picks=None) -> None:
