@@ -21,9 +21,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
+# .whl_load and .redis_carry, when carried, serve the GPU tests that start services (gRPC, Redis).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
+    $(ls .whl_load/*.whl 2>/dev/null) || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
 source bench/device/triton_cache.sh
 triton_cache_restore
 
@@ -33,7 +34,8 @@ triton_cache_restore
 # it ends, so a run cut by its limit still says which passed.
 PYTEST_GPU=(-v -rfE --tb=short --durations=15 -p no:cacheprovider)
 GPU_TESTS_A=(tests/exec/test_graphs_gpu.py tests/exec/test_packed_graphs_gpu.py tests/exec/test_served_passes_gpu.py)
-GPU_TESTS_B=(tests/ops/test_kernels_gpu.py tests/exec/test_state_pass_gpu.py tests/bank/test_shared_bank.py)
+GPU_TESTS_B=(tests/ops/test_kernels_gpu.py tests/exec/test_state_pass_gpu.py tests/bank/test_shared_bank.py
+             tests/bank/test_shared_weights.py tests/services/test_services_gpu.py tests/serving/test_stack_progress.py)
 
 step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log, one summary line here
     local name=$1 limit=$2 start=$SECONDS
@@ -47,8 +49,8 @@ for what in "${@:-tests perf}"; do
     for s in $what; do
         case $s in
             tests) step gpu_tests 540 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" "${GPU_TESTS_B[@]}" ;;
-            tests-a) step gpu_tests_a 420 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" ;;
-            tests-b) step gpu_tests_b 300 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_B[@]}" ;;
+            tests-a) step gpu_tests_a "${KEV_LIMIT_A:-420}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" ;;
+            tests-b) step gpu_tests_b "${KEV_LIMIT_B:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_B[@]}" ;;
             perf)
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt"
