@@ -3,8 +3,7 @@
 # GPU utilisation sampled once a second beside the run, and bench.load_compare under a time limit
 # that leaves the call room to return (it rewrites its JSON after every run, so a run cut short
 # keeps what it measured). The services start with their defaults (no start-up plan fitted to the
-# workload: bench/load_compare.py). Everything lands in $OUT: load_<workload>.json (+ .png when the run
-# completes), load_compare.log, gpu_util.csv, and triton_cache.txz.part*: Triton's compile cache (not
+# workload: bench/load_compare.py). Everything lands in $OUT: load_<workload>.json, load_compare.log, gpu_util.csv, and triton_cache.txz.part*: Triton's compile cache (not
 # its autotune results, except the baseline's) at the end (bench/device/triton_cache.sh). Carried into the
 # next call, it spares the services their kernel compiles (about a minute of each load call's start-up,
 # mostly the bank's) and the baseline its autotuning. The results record which it was
@@ -46,8 +45,10 @@ fi
 echo "GPU sharing between the services: $KEV_GPU_SHARING"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
 sampler=$!
+# No plots under $OUT: the device tool returns 8 files, and four workloads' JSONs, the log, the CSV and
+# the cache's parts are already that many (b4f5757's call lost load_varied.json to two PNGs).
 timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workloads" --sweep 1,8,32,64 \
-    --duration 5 --warmup-s 2 --out-dir "$OUT" --png-dir "$OUT" "$@" > "$OUT/load_compare.log" 2>&1
+    --duration 5 --warmup-s 2 --out-dir "$OUT" --png-dir /tmp/load_png "$@" > "$OUT/load_compare.log" 2>&1
 rc=$?
 kill "$sampler" 2>/dev/null
 triton_cache_pack
