@@ -433,6 +433,15 @@ class AttachedBank:
     fingerprints: torch.Tensor | None = None  # [slots] int64, CPU shared memory: each slot's document
     files: list[Path] = field(default_factory=list)  # the owner's /dev/shm files (the generations' at least)
 
+    def __post_init__(self) -> None:
+        self._host_views()
+
+    def _host_views(self) -> None:
+        """NumPy views of the host tables: the scorer checks every handle of a pass before it
+        launches, and a NumPy read keeps the GIL where a torch index would give it up twice."""
+        self._generations = self.generations.numpy()
+        self._fingerprints = None if self.fingerprints is None else self.fingerprints.numpy()
+
     @property
     def num_slots(self) -> int:
         return self.generations.shape[0]
@@ -442,7 +451,7 @@ class AttachedBank:
         return self.pools.block_size
 
     def is_live(self, handle: BankHandle) -> bool:
-        return 0 <= handle.slot < self.num_slots and int(self.generations[handle.slot]) == handle.generation
+        return 0 <= handle.slot < self.num_slots and int(self._generations[handle.slot]) == handle.generation
 
     def owner_alive(self) -> bool:
         """Whether the owner still holds its memory: it unlinks its files when it stops, and its
@@ -454,8 +463,8 @@ class AttachedBank:
         WrongDocument unless the slot holds the document of `fingerprint` (when given)."""
         if not self.is_live(handle):
             raise StaleHandle(f"bank handle {handle} is not live in bank instance {self.instance}")
-        if fingerprint is not None and self.fingerprints is not None:
-            held = int(self.fingerprints[handle.slot])
+        if fingerprint is not None and self._fingerprints is not None:
+            held = int(self._fingerprints[handle.slot])
             if held != fingerprint:
                 raise WrongDocument(f"bank slot {handle.slot} (generation {handle.generation}) holds another "
                                     f"document (key fingerprint {held:#x}, expected {fingerprint:#x})")
@@ -466,6 +475,7 @@ class AttachedBank:
         self.pools = StatePools((), (), (), (), self.pools.block_size)
         self.block_table = self.generations = self.fingerprints = empty
         self.tensors = {}
+        self._host_views()
 
 
 def _open_segment(sharing: int, descriptor: bytes) -> _Segment:

@@ -25,11 +25,11 @@ class RowBatch:
     picks: torch.Tensor  # [P] int64 packed positions of <decide> / </opt> tokens
     positions: torch.Tensor  # [T] int64 absolute position of every token
     row_lens: tuple[int, ...] = ()  # host copy of the row lengths (CUDA-graph keys); () when unknown
-    host: tuple[torch.Tensor, ...] = ()  # CPU copies of tokens, cu_seqlens, slots, doc_lens, positions, picks
+    host: tuple[Sequence[int], ...] = ()  # host ints of tokens, cu_seqlens, slots, doc_lens, positions, picks
 
-    def host_fields(self) -> tuple[torch.Tensor, ...]:
-        """tokens, cu_seqlens, slots, doc_lens, positions, picks: the host copies when the batch
-        has them (a CUDA-graph key's fill builds its block on the host), else the tensors."""
+    def host_fields(self) -> tuple[Sequence[int] | torch.Tensor, ...]:
+        """tokens, cu_seqlens, slots, doc_lens, positions, picks: the host ints when the batch has
+        them (a CUDA-graph key's fill builds its block from them without a torch op), else the tensors."""
         return self.host or (self.tokens, self.cu_seqlens, self.slots, self.doc_lens, self.positions, self.picks)
 
     @property
@@ -51,6 +51,6 @@ class RowBatch:
         host = host_int64(v for part in parts for v in part)
         sizes = [len(p) for p in parts]
         tokens, cu_seqlens, slots, lens_t, picks_t, positions = to_device(host, device).split(sizes)
-        h_tokens, h_cu, h_slots, h_lens, h_picks, h_positions = host.split(sizes)
+        h_tokens, h_cu, h_slots, h_lens, h_picks, h_positions = parts
         return cls(tokens, cu_seqlens, slots, lens_t, picks_t, positions, tuple(lens),
                    (h_tokens, h_cu, h_slots, h_lens, h_positions, h_picks))

@@ -25,12 +25,14 @@ sits); the GEMMs and norms see another row count M and may pick other cuBLAS / r
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
 
 import torch
 
-from kev.exec.transfer import copy_in, host_int64
+from kev.exec.transfer import copy_in
 from kev.ops.meta import PassMeta
 from kev.ops.shapes import ShapeClass, classify
 
@@ -107,28 +109,40 @@ def entries_needed(lens: Sequence[int], tokens: int) -> int:
     return max(chunks_needed(lens, tokens), len(lens) + 1)
 
 
-def packed_chunks(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk list ([entries, 2] (sequence, chunk)) and chunk offsets ([slots + 1]) of sequences
-    of `lens` tokens, then empty sequences, then the padding sequence (index slots - 1) up to
-    `tokens`, whose entries run on past its end to fill `entries` (no-ops). Host int64, a few
-    tensor ops: it runs in front of every replay."""
-    seq_lens = torch.zeros(slots, dtype=torch.int64)
-    seq_lens[: len(lens)] = torch.tensor(list(lens), dtype=torch.int64)
-    per = (seq_lens + block - 1) // block
-    used = int(per.sum())
-    need = cdiv(tokens - sum(lens), block)
-    if used + need > entries:
+def packed_chunk_lists(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
+                       ) -> tuple[list[int], list[int]]:
+    """The chunk list of sequences of `lens` tokens, then empty sequences, then the padding
+    sequence (index slots - 1) up to `tokens`, whose entries run on past its end to fill `entries`
+    (no-ops): (sequence, chunk) pairs flattened, and the chunk offsets ([slots + 1]). Python ints:
+    it runs in front of every replay, where each torch op would give the GIL up (`StaticPass`)."""
+    per = [cdiv(n, block) for n in lens] + [0] * (slots - len(lens))
+    used = sum(per)
+    if used + cdiv(tokens - sum(lens), block) > entries:
         raise ValueError(f"{len(lens)} sequences of {sum(lens)} tokens in {tokens} need more than {entries} entries")
     per[-1] = entries - used  # the padding sequence's chunks, then the no-ops
-    offsets = torch.zeros(slots + 1, dtype=torch.int64)
-    torch.cumsum(per, 0, out=offsets[1:])
-    seq = torch.repeat_interleave(torch.arange(slots), per, output_size=entries)
-    return torch.stack([seq, torch.arange(entries) - offsets[seq]], 1), offsets
+    pairs = [v for seq, count in enumerate(per) for chunk in range(count) for v in (seq, chunk)]
+    return pairs, list(accumulate(per, initial=0))
+
+
+def packed_chunks(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed_chunk_lists` as host int64 tensors: [entries, 2] (sequence, chunk) and [slots + 1]."""
+    pairs, offsets = packed_chunk_lists(lens, tokens, slots, block, entries)
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2), torch.tensor(offsets, dtype=torch.int64)
+
+
+def _ints(values) -> Sequence[int]:
+    """Host ints of a tensor (a device one is read back: start-up and tests only) or a sequence."""
+    return values.tolist() if isinstance(values, torch.Tensor) else values
 
 
 class StaticPass:
-    """One key's buffers, its `PassMeta`, and the fills from a real pass."""
+    """One key's buffers, its `PassMeta`, and the fills from a real pass.
+
+    A fill runs in front of every replay, on the thread that feeds the GPU among dozens of request
+    threads. Each torch op gives the GIL up and may wait up to the switch interval to take it back
+    (kev/serving/interpreter.py), so the block is built in Python ints and reaches the device in
+    three ops (one buffer view, one pinned copy, one copy), then the block-table gather."""
 
     def __init__(self, key: GraphKey, table_width: int, attn_block: int, device):
         self.key = key
@@ -137,8 +151,7 @@ class StaticPass:
         # Attention's query blocks divide CHUNK, so a sequence's blocks are at most CHUNK / block per chunk.
         self.attn_entries = key.chunks * (CHUNK // attn_block)
         self._sizes = (T, T, N + 1, N, N, N, P, 2 * key.chunks, N + 1, 2 * self.attn_entries)
-        self._template = self._host_template()
-        self._ints = self._template.to(device)
+        self._ints = self._block([], (), (), (), -1, ()).to(device)  # an empty pass: all padding
         (self.tokens, self.positions, self.cu_seqlens, self.write_slots, self.read_slots, self.prefix_lens,
          self.picks, chunks, self.chunk_offsets, attn_chunks) = self._ints.split(self._sizes)
         self.chunks, self.attn_chunks = chunks.view(-1, 2), {attn_block: attn_chunks.view(-1, 2)}
@@ -146,13 +159,6 @@ class StaticPass:
         self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
                              prefix_lens=self.prefix_lens, block_table=self.block_table, positions=self.positions,
                              shape_class=key.shape_class)
-
-    def _host_template(self) -> torch.Tensor:
-        """The block of an empty pass: every token in the padding sequence."""
-        key = self.key
-        block = torch.zeros(sum(self._sizes), dtype=torch.int64)
-        self._fill_host(block, [], [], [], [], [], [])
-        return block
 
     def indices(self):
         """The static `PassIndices` to pin into `TritonOps` for `self.meta`."""
@@ -163,74 +169,67 @@ class StaticPass:
     def fits(self, lens: Sequence[int]) -> bool:
         return self.key.fits(lens)
 
-    def _fill_host(self, block: torch.Tensor, lens: Sequence[int], tokens, positions, read, write, prefix,
-                   picks=None) -> None:
-        """Write one pass into a host `block` laid out as the device one (`_sizes`)."""
+    def _block(self, lens: Sequence[int], tokens: Iterable[Sequence[int]], positions: Iterable[Sequence[int]],
+               read: Iterable[int] | int, write: Iterable[int] | int, prefix: Iterable[int],
+               picks: Sequence[int] = ()) -> torch.Tensor:
+        """One pass as a host int64 block laid out as the device one (`_sizes`): the n real
+        sequences (`tokens` and `positions` in parts, end to end), then empty ones (cu_seqlens at
+        the real tokens' end, slots -1), then the padding sequence to T (token 0 at its own
+        positions 0..). `read` / `write` may be one int for every sequence. Padding picks read
+        token 0 (a real position; their outputs are dropped)."""
         key = self.key
-        T, N, Tr = key.num_tokens, key.num_slots, sum(lens)
-        (h_tokens, h_positions, h_cu, h_write, h_read, h_prefix, h_picks, h_chunks, h_offsets,
-         h_attn) = block.split(self._sizes)
-        n = len(lens)
-        if n:
-            h_tokens[:Tr] = tokens
-            h_positions[:Tr] = positions
-        h_tokens[Tr:] = 0
-        h_positions[Tr:] = torch.arange(T - Tr)  # the padding sequence's own positions
-        cu = [0]
-        for ln in lens:
-            cu.append(cu[-1] + ln)
-        h_cu[: n + 1] = torch.tensor(cu)
-        h_cu[n + 1 : N] = Tr  # empty sequences, then the padding sequence's start
-        h_cu[N] = T
-        for dst, src in ((h_read, read), (h_write, write), (h_prefix, prefix)):
-            dst.fill_(0 if dst is h_prefix else -1)
-            if n:
-                dst[:n] = src
+        T, N, n, Tr = key.num_tokens, key.num_slots, len(lens), sum(lens)
+        out = array("q")
+        for part in tokens:
+            out.extend(part)
+        out.extend(repeat(0, T - Tr))
+        for part in positions:
+            out.extend(part)
+        out.extend(range(T - Tr))
+        out.extend(accumulate(lens, initial=0))
+        out.extend(repeat(Tr, N - n - 1))
+        out.append(T)
+        for per_seq, none in ((write, -1), (read, -1), (prefix, 0)):
+            out.extend(repeat(per_seq, n) if isinstance(per_seq, int) else per_seq)
+            out.extend(repeat(none, N - n))
         if key.picks:
-            h_picks.zero_()  # padding picks read token 0 (a real position, its output dropped)
-            if picks is not None and len(picks):
-                h_picks[: len(picks)] = picks
-        c, o = packed_chunks(lens, T, N, CHUNK, key.chunks)
-        h_chunks.copy_(c.view(-1))
-        h_offsets.copy_(o)
-        h_attn.copy_(packed_chunks(lens, T, N, self.attn_block, self.attn_entries)[0].view(-1))
+            out.extend(picks)
+            out.extend(repeat(0, key.picks - len(picks)))
+        pairs, offsets = packed_chunk_lists(lens, T, N, CHUNK, key.chunks)
+        out.extend(pairs)
+        out.extend(offsets)
+        out.extend(packed_chunk_lists(lens, T, N, self.attn_block, self.attn_entries)[0])
+        if len(out) != sum(self._sizes):
+            raise ValueError(f"a fill of {len(out)} ints for a block of {sum(self._sizes)} (key {key}): "
+                             "a field has the wrong length")
+        return torch.frombuffer(out, dtype=torch.int64)
 
-    def fill_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                  doc_lens: torch.Tensor, positions: torch.Tensor, picks: torch.Tensor,
-                  bank_table: torch.Tensor) -> int:
+    def fill_rows(self, tokens, cu_seqlens, slots, doc_lens, positions, picks, bank_table: torch.Tensor) -> int:
         """Place a packed row batch (it `fits`: the caller chose the key from host ints) into the
-        buffers: built on the host, one copy in, then the rows' block-table rows gathered on the
-        device; no sync. The batch's fields are host tensors (`RowBatch.host_fields`); device
-        ones are copied back first (start-up, tests). Returns P, the real picks."""
+        buffers: the block built in Python, one copy in, then the rows' block-table rows gathered
+        on the device; no sync. The fields are host ints (`RowBatch.host_fields`); tensors are
+        read back first (start-up, tests). Returns P, the real picks."""
         assert self.key.kind is PassKind.ROWS
-        tokens, cu_seqlens, slots, doc_lens, positions, picks = (
-            t.cpu() for t in (tokens, cu_seqlens, slots, doc_lens, positions, picks))
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        host = self._template.clone()
-        self._fill_host(host, lens, tokens, positions, slots, -1, doc_lens, picks)
-        copy_in(self._ints, host)
+        cu, picks = _ints(cu_seqlens), _ints(picks)
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        copy_in(self._ints, self._block(lens, [_ints(tokens)], [_ints(positions)], _ints(slots), -1, _ints(doc_lens),
+                                        picks))
         n = len(lens)
         torch.index_select(bank_table, 0, self.read_slots[:n].clamp(min=0), out=self.block_table[:n])
-        return picks.shape[0]
+        return len(picks)
 
     def fill_state(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], bank_table: torch.Tensor,
                    starts: Sequence[int] | None = None) -> None:
         """Place document chunks (they `fit`) into the buffers: chunk n goes to slot n's tokens
         [starts[n], starts[n] + len) (0: a new document, which reads nothing; else it continues
-        the state in its slot). The block built on the host, one copy in, then the block-table
-        rows of the written slots."""
+        the state in its slot). The block built in Python, one copy in, then the block-table rows
+        of the written slots."""
         assert self.key.kind is PassKind.STATE
         starts = [0] * len(chunks) if starts is None else list(starts)
         lens = [len(c) for c in chunks]
-        flat = torch.cat([host_int64(c) for c in chunks]) if chunks else host_int64([])
-        # token i of chunk n sits at starts[n] + i: one arange shifted per chunk (no Python loop over tokens)
-        first = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0) if lens else host_int64([])
-        shift = torch.repeat_interleave(host_int64(starts) - first, host_int64(lens), output_size=len(flat))
-        positions = torch.arange(len(flat)) + shift
-        host = self._template.clone()
-        read = [s if start > 0 else -1 for s, start in zip(slots, starts)]
-        self._fill_host(host, lens, flat, positions, host_int64(read), host_int64(slots), host_int64(starts))
-        copy_in(self._ints, host)
+        positions = [range(s, s + n) for s, n in zip(starts, lens)]
+        read = [slot if start > 0 else -1 for slot, start in zip(slots, starts)]
+        copy_in(self._ints, self._block(lens, chunks, positions, read, list(slots), starts))
         n = len(lens)
         if n:
             torch.index_select(bank_table, 0, self.write_slots[:n].clamp(min=0), out=self.block_table[:n])

@@ -416,3 +416,45 @@ def test_key_meta_carries_the_key_class():
     rows = StaticPass(GraphKey(PassKind.ROWS, 2048, 96), 8, 16, "cpu")
     assert rows.meta.pass_class(2048) is rows.key.shape_class is ShapeClass.ROWS_WIDE
     assert SweepKey(key, rows.key).shape_class is key.shape_class
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions and tensor methods called from Python inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [3, 60])
+def test_a_fill_is_a_few_torch_calls_whatever_its_size(model, rows):
+    """Each torch op gives the GIL up, and the thread that feeds the GPU may then wait up to the
+    switch interval to get it back from a request thread (kev/serving/interpreter.py): a fill in
+    front of a replay makes the same few calls for 3 rows or 60, 1 document or 8, and fills from
+    host ints the block a fill from tensors makes."""
+    runner, docs, handles = stored(model, get_ops("torch"))
+    g = torch.Generator().manual_seed(rows)
+    batch = row_batch(docs, handles, lens=torch.randint(1, 70, (rows,), generator=g).tolist(), seed=rows)
+    key = KeyLadder(PassKind.ROWS, 8192, 96).key_for(batch.row_lens)
+    table = runner.bank.block_table
+    from_tensors = StaticPass(key, table.shape[1], 16, "cpu")
+    from_tensors.fill_rows(batch.tokens, batch.cu_seqlens, batch.slots, batch.doc_lens, batch.positions, batch.picks,
+                           table)
+    sp = StaticPass(key, table.shape[1], 16, "cpu")
+    with _TorchCalls() as counted:
+        P = sp.fill_rows(*batch.host_fields(), table)
+    assert P == batch.picks.shape[0] and torch.equal(sp._ints, from_tensors._ints)
+    assert len(counted.calls) <= 8, counted.calls
+
+    n_docs = 1 if rows == 3 else 8
+    doc_key = KeyLadder(PassKind.STATE, 16384, 64).key_for([300] * n_docs)
+    st = StaticPass(doc_key, table.shape[1], 16, "cpu")
+    chunks = [torch.randint(0, 300, (300,), generator=g).tolist() for _ in range(n_docs)]
+    with _TorchCalls() as counted:
+        st.fill_state(chunks, list(range(n_docs)), table, [0] * n_docs)
+    assert len(counted.calls) <= 8, counted.calls
+    assert st.tokens[: 300 * n_docs].tolist() == [t for c in chunks for t in c]
