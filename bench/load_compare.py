@@ -288,6 +288,12 @@ def baseline_warm_shapes(workloads: list[Workload], clients: list[int], max_requ
     return sorted(widths), most, min(w.questions[0] for w in workloads)
 
 
+def result_stem(model: str, workload: str) -> str:
+    """`load_<workload>` for Kev-4B (the figures' history), `load_<size>_<workload>` for another size
+    (issue 28's `load_27b_varied.json`)."""
+    return f"load_{workload}" if model == "kev-4b" else f"load_{model.removeprefix('kev-')}_{workload}"
+
+
 def parse_env(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         for name in workloads:
-            write_quietly(Path(args.out_dir) / f"load_{name}.json",
+            write_quietly(Path(args.out_dir) / f"{result_stem(args.model, name)}.json",
                           report(name, results, systems, skipped, args, env, checkpoint, startup))
 
     def measure_all(system: str, running: Running, seed: int) -> None:
@@ -441,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         out = report(name, results, systems, skipped, args, env, checkpoint, startup)
         from bench.common import write_json
 
-        write_json(str(Path(args.out_dir) / f"load_{name}.json"), json_safe(out))
+        write_json(str(Path(args.out_dir) / f"{result_stem(args.model, name)}.json"), json_safe(out))
         per_system = {"kev": out} | {s: out[s] for s in ("gathered", "baseline") if "sweep" in out[s]}
         errors = sum(o.get("error_count") or 0 for o in per_system.values())
         identical = out.get("gathered_bit_identical", {}).get("identical")
@@ -450,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench.load_plots import plot_sweeps
 
             plot_sweeps({s: results[s][name]["runs"] for s in results if name in results[s]},
-                        Path(args.png_dir) / f"load_{name}.png", title=f"{name} ({out['gpu']})")
+                        Path(args.png_dir) / f"{result_stem(args.model, name)}.png", title=f"{name} ({out['gpu']})")
         print(f"{name}: kev {out['requests_per_s']:.1f} req/s p99 {out['p99_ms']:.1f} ms, "
               f"{out['tokens_per_s']:.0f} tokens/s ({show(out['ceiling_fraction'], '.1%')} of the matmul ceiling), "
               f"eager passes {show(out['eager_passes_after_warmup'], 'd')}, errors {errors}, "

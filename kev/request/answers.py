@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
-from kev.exec.transfer import to_device, to_host_later
-from kev.request.head import DecisionHead, answers
+from kev.exec.transfer import host_int64, to_device, to_host_later
+from kev.request.head import DecisionHead, answers, segments
 from kev.request.prompts import PreparedRequest
 
 
@@ -57,8 +58,13 @@ def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidde
             decide_idx.append(i)
             opt_idx.extend(range(i + 1, i + 1 + n))
             i += 1 + n
-    index = to_device(torch.tensor(decide_idx + opt_idx, dtype=torch.int64), hidden.device)
-    probs = head.probabilities(hidden[index[: len(decide_idx)]], hidden[index[len(decide_idx) :]], counts)
+    # Every index the head needs in one host block and one copy (each torch op on the host may wait
+    # for the GIL on the scorer's row worker: kev/exec/static_pass.py).
+    seg, col = segments(counts)
+    Q, O = len(decide_idx), len(opt_idx)
+    block = to_device(host_int64(chain(decide_idx, opt_idx, seg, col)), hidden.device)
+    at_decide, at_opts, seg_t, col_t = block.split([Q, O, O, O])
+    probs = head.probabilities_at(hidden[at_decide], hidden[at_opts], seg_t, col_t, max(counts, default=0))
     host = to_host_later(probs)
     ready = None
     if hidden.device.type == "cuda":

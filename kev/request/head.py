@@ -107,8 +107,15 @@ class DecisionHead:
     ) -> torch.Tensor:
         """Flat fp32 probabilities [O]: a softmax within each question's options (shapes as `logits`)."""
         seg, col = self._segments(h_decide, h_opts, option_counts)
+        return self.probabilities_at(h_decide, h_opts, seg, col, max(option_counts, default=0))
+
+    def probabilities_at(self, h_decide: torch.Tensor, h_opts: torch.Tensor, seg: torch.Tensor, col: torch.Tensor,
+                         widest: int) -> torch.Tensor:
+        """`probabilities` with the segments of `segments` already on the device (`widest`: the
+        most options of a question). The scorer's row worker moves them in one copy with its other
+        indices: it runs this between launches, where every host op may wait for the GIL."""
         z = self._logits(h_decide, h_opts, seg)
-        table = z.new_full((len(option_counts), max(option_counts, default=0)), -math.inf)  # [Q, Kmax]
+        table = z.new_full((h_decide.shape[0], widest), -math.inf)  # [Q, Kmax]
         table[seg, col] = z
         return torch.softmax(table, dim=-1)[seg, col]  # [Q, Kmax] -> [O]
 
@@ -128,17 +135,22 @@ class DecisionHead:
             raise ValueError(
                 f"h_decide {tuple(h_decide.shape)} and h_opts {tuple(h_opts.shape)} must be [Q, {d}] and [O, {d}]"
             )
-        counts = torch.tensor([int(c) for c in option_counts], dtype=torch.long)  # host: checks cost no sync
-        if counts.numel() != h_decide.shape[0] or (counts < 1).any() or int(counts.sum()) != h_opts.shape[0]:
+        counts = [int(c) for c in option_counts]
+        if len(counts) != h_decide.shape[0] or min(counts, default=1) < 1 or sum(counts) != h_opts.shape[0]:
             raise ValueError(
-                f"option_counts {counts.tolist()} must hold one count >= 1 per h_decide row ({h_decide.shape[0]}) "
+                f"option_counts {counts} must hold one count >= 1 per h_decide row ({h_decide.shape[0]}) "
                 f"summing to the h_opts rows ({h_opts.shape[0]})"
             )
-        seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # [O]
-        first = torch.cumsum(counts, 0) - counts  # flat index of each question's first option
-        col = torch.arange(h_opts.shape[0]) - first[seg]  # [O]
-        both = to_device(torch.stack([seg, col]), h_opts.device)  # no wait for the GPU (kev/exec/transfer.py)
+        seg, col = segments(counts)
+        both = to_device(torch.tensor([seg, col], dtype=torch.long), h_opts.device)  # no wait for the GPU
         return both[0], both[1]
+
+
+def segments(option_counts: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Host ints: the question of every flat option, and its index within that question."""
+    seg = [q for q, n in enumerate(option_counts) for _ in range(n)]
+    col = [i for n in option_counts for i in range(n)]
+    return seg, col
 
 
 def answer(question: Question, probs: Sequence[float] | torch.Tensor) -> Answer:

@@ -225,3 +225,12 @@ def test_gpu_memory_peak_sums_gpus_and_is_none_without_nvidia_smi(tmp_path):
         while int(counter.read_text()) < 5:
             time.sleep(0.01)
     assert peak.peak_mb == 3000 and peak.gb == round(3000 * 2**20 / 1e9, 2)
+
+
+def test_result_files_name_the_model_beside_kev_4b():
+    """Kev-4B keeps the plain names (the figures' history); another size is in its own files."""
+    from bench.load_compare import result_stem
+
+    assert result_stem("kev-4b", "varied") == "load_varied"
+    assert result_stem("kev-27b", "six-short") == "load_27b_six-short"
+    assert result_stem("kev-0.8b", "five-long") == "load_0.8b_five-long"
