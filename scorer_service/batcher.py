@@ -330,7 +330,7 @@ class RowBatcher:
         self.metrics.row_pass_phase("launch", end - start)
         self.metrics.row_launch({"check": checked - start, "pack": packed - checked, "pass": passed - packed,
                                  "head": end - passed}, time.thread_time() - cpu_start)
-        launched = _Launched(jobs, pending, start, int(batch.tokens.numel()))
+        launched = _Launched(jobs, pending, start, batch.num_tokens)
         if pending.ready is not None:  # on the device until its event: the watcher says when
             with self._cond:
                 self._running.add(launched)

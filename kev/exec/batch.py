@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -14,18 +13,38 @@ from kev.ops.meta import host_positions
 from kev.ops.shapes import ShapeClass, classify
 
 
-@dataclass(frozen=True, eq=False)
 class RowBatch:
-    """Rows of many requests packed into one pass."""
+    """Rows of many requests packed into one pass.
 
-    tokens: torch.Tensor  # [T] int64
-    cu_seqlens: torch.Tensor  # [N + 1] int64
-    slots: torch.Tensor  # [N] int64: each row's document slot
-    doc_lens: torch.Tensor  # [N] int64: tokens stored in that slot (the row's positions start there)
-    picks: torch.Tensor  # [P] int64 packed positions of <decide> / </opt> tokens
-    positions: torch.Tensor  # [T] int64 absolute position of every token
-    row_lens: tuple[int, ...] = ()  # host copy of the row lengths (CUDA-graph keys); () when unknown
-    host: tuple[Sequence[int], ...] = ()  # host ints of tokens, cu_seqlens, slots, doc_lens, positions, picks
+    `build` keeps the host ints and copies them to the device only when a device field is first
+    read: an eager pass reads them, a CUDA-graph key's fill needs only the host ints (`host_fields`),
+    and every torch call on the scorer's launch path may wait for the GIL (kev/exec/static_pass.py)."""
+
+    def __init__(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor, doc_lens: torch.Tensor,
+                 picks: torch.Tensor, positions: torch.Tensor, row_lens: tuple[int, ...] = (),
+                 host: tuple[Sequence[int], ...] = ()):
+        # tokens [T], cu_seqlens [N + 1], slots [N] (each row's document slot), doc_lens [N] (tokens
+        # stored in that slot: the row's positions start there), picks [P] (packed positions of
+        # <decide> / </opt> tokens), positions [T]: int64 tensors
+        self._device = (tokens, cu_seqlens, slots, doc_lens, picks, positions)
+        self.row_lens = row_lens  # host copy of the row lengths (CUDA-graph keys); () when unknown
+        self.host = host  # host ints of tokens, cu_seqlens, slots, doc_lens, positions, picks
+        self._to: torch.device | None = None
+
+    def _field(self, i: int) -> torch.Tensor:
+        if self._to is not None:  # built from host ints: one copy of them all, at the first read
+            tokens, cu, slots, doc_lens, positions, picks = self.host
+            parts = (tokens, cu, slots, doc_lens, picks, positions)
+            block = to_device(host_int64(v for part in parts for v in part), self._to)
+            self._device, self._to = tuple(block.split([len(p) for p in parts])), None
+        return self._device[i]
+
+    tokens = property(lambda self: self._field(0))
+    cu_seqlens = property(lambda self: self._field(1))
+    slots = property(lambda self: self._field(2))
+    doc_lens = property(lambda self: self._field(3))
+    picks = property(lambda self: self._field(4))
+    positions = property(lambda self: self._field(5))
 
     def host_fields(self) -> tuple[Sequence[int] | torch.Tensor, ...]:
         """tokens, cu_seqlens, slots, doc_lens, positions, picks: the host ints when the batch has
@@ -33,9 +52,13 @@ class RowBatch:
         return self.host or (self.tokens, self.cu_seqlens, self.slots, self.doc_lens, self.positions, self.picks)
 
     @property
+    def num_tokens(self) -> int:
+        return sum(self.row_lens) if self.row_lens else self.tokens.shape[0]
+
+    @property
     def shape_class(self) -> ShapeClass:
         """The autotune class, from host ints (shapes): no device read."""
-        return classify(self.tokens.shape[0], rows=True)
+        return classify(self.num_tokens, rows=True)
 
     @classmethod
     def build(cls, rows: Sequence[Sequence[int]], handles: Sequence[BankHandle], doc_lens: Sequence[int],
@@ -46,11 +69,7 @@ class RowBatch:
             cu.append(cu[-1] + n)
         picks = [cu[i] + p for i, ps in enumerate(picks_per_row) for p in ps]
         flat = [t for r in rows for t in r]
-        parts = (flat, cu, [h.slot for h in handles], list(doc_lens), picks, host_positions(lens, list(doc_lens)))
-        # One host block, one copy that does not wait for the GPU (kev/exec/transfer.py); the fields are views.
-        host = host_int64(v for part in parts for v in part)
-        sizes = [len(p) for p in parts]
-        tokens, cu_seqlens, slots, lens_t, picks_t, positions = to_device(host, device).split(sizes)
-        h_tokens, h_cu, h_slots, h_lens, h_picks, h_positions = parts
-        return cls(tokens, cu_seqlens, slots, lens_t, picks_t, positions, tuple(lens),
-                   (h_tokens, h_cu, h_slots, h_lens, h_positions, h_picks))
+        batch = cls(*(None,) * 6, tuple(lens),
+                    (flat, cu, [h.slot for h in handles], list(doc_lens), host_positions(lens, list(doc_lens)), picks))
+        batch._to = torch.device(device)
+        return batch
