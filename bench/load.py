@@ -133,6 +133,9 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     def open_window() -> None:
         with lock:
             window.open(duration_s)
+        if folder := os.environ.get("LOAD_PROFILE_DIR"):  # the services' profiles start (load_profile.sh)
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / "go").touch()
 
     def client(i: int) -> None:
         call = calls[i % len(calls)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,6 +37,8 @@ except ImportError:
 from bench import load  # noqa: E402
 from bench.load_baseline import BaselineBatcher, BaselineScorer, BaselineService, build_server  # noqa: E402
 from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +108,29 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert run["tokens_per_s"] == pytest.approx(240 * run["requests_per_s"])
     assert run["matmul_tflops"] is None and run["ceiling_fraction"] is None
     assert run["eager_passes_after_warmup"] is None and run["eager_passes_by_service"] == {"scorer": None, "bank": None}
+
+
+def test_services_profile_themselves_when_the_window_opens(checkpoint, tmp_path, monkeypatch):
+    """bench/device/load_profile.sh's mechanism on the CPU stack: with the profile site on the
+    services' PYTHONPATH and LOAD_PROFILE_DIR set, each service records itself from the moment the
+    load generator opens its window, for the time asked, and writes its summary under its own name.
+    What it is for, the CUDA kernels of every thread, exists only on a GPU."""
+    folder = tmp_path / "profiles"
+    monkeypatch.setenv("LOAD_PROFILE_DIR", str(folder))
+    monkeypatch.setenv("LOAD_PROFILE_FOR_S", "0.5")
+    site = {"PYTHONPATH": f"{ROOT / 'bench/device/profile_site'}:{ROOT}"}
+    stack = Stack(checkpoint, bank_memory_bytes=4 << 20, max_document_tokens=512,
+                  bank_flags=["--avg-doc-tokens", "64"], scorer_env=site, bank_env=site)
+    with stack:
+        assert not folder.exists(), "a profile must wait for the window"
+        load.run_load(stack.scorer_addr, six_short_stream(checkpoint), 2, duration_s=1.5, warmup_s=0.2)
+        deadline = time.monotonic() + 30
+        while len(list(folder.glob("profile_*.json"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    profiles = {json.loads(p.read_text())["service"]: json.loads(p.read_text()) for p in folder.glob("profile_*.json")}
+    assert set(profiles) == {"bank_service", "scorer_service"}
+    for prof in profiles.values():
+        assert 0.5 <= prof["window_s"] < 5 and prof["kernels"] == []  # no GPU
 
 
 def test_baseline_answers_match_the_engine(checkpoint):
