@@ -33,7 +33,8 @@ triton_cache_restore
 # pass, shared bank) in two calls, the cache carried between them. -v: each test's name is logged as
 # it ends, so a run cut by its limit still says which passed.
 PYTEST_GPU=(-v -rfE --tb=short --durations=15 -p no:cacheprovider)
-GPU_TESTS_A=(tests/exec/test_graphs_gpu.py tests/exec/test_packed_graphs_gpu.py tests/exec/test_served_passes_gpu.py)
+GPU_TESTS_A=(tests/exec/test_graphs_gpu.py tests/exec/test_packed_graphs_gpu.py tests/exec/test_served_passes_gpu.py
+             tests/exec/test_family_gpu.py)
 GPU_TESTS_B=(tests/ops/test_kernels_gpu.py tests/exec/test_state_pass_gpu.py tests/bank/test_shared_bank.py
              tests/bank/test_shared_weights.py tests/services/test_services_gpu.py tests/serving/test_stack_progress.py)
 
