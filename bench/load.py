@@ -354,7 +354,8 @@ def eager_passes(urls: Mapping[str, str]) -> tuple[int | None, dict[str, int | N
 
 def scorer_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
     """Over the window: row passes, rows and row tokens per pass, the scorer's hit ratio, the mean
-    wall time of a row pass (launch to answers; two may overlap), the share of the window the row
+    wall time of a row pass (launch to answers; two may overlap), an answered request's time by
+    phase in the scorer (`request_phase_ms`), the share of the window the row
     worker was busy (near 1: the row worker is the bottleneck) and per phase (`row_worker_share`:
     device_wait near 1 means the GPU is), the launch phase by step (`row_launch_share`: its
     `cpu` well under the steps' sum means the launches were blocked, on the GIL or in a blocking
@@ -369,7 +370,12 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
     phases = {p: delta(f'kev_scorer_row_worker_seconds_total{{phase="{p}"}}') for p in ("launch", "device_wait", "answers")}
     steps = {s: delta(f'kev_scorer_row_launch_seconds_total{{step="{s}"}}') for s in ("check", "pack", "pass", "head")}
     steps["cpu"] = delta("kev_scorer_row_launch_cpu_seconds_total")
+    answered = delta('kev_scorer_requests_seconds_count{code="OK"}')
     return {
+        # an answered request's mean milliseconds by phase, inside the scorer (the client's latency
+        # less their sum: gRPC, (de)serialising, the server's thread pool)
+        "request_phase_ms": {p: delta(f'kev_scorer_request_phase_seconds_total{{phase="{p}"}}') / answered * 1e3
+                             if answered else math.nan for p in ("prepare", "acquire", "rows", "release")},
         "row_passes": int(passes),
         "rows_per_pass": delta("kev_scorer_rows_per_pass_sum") / passes if passes else math.nan,
         "row_tokens_per_pass": delta("kev_scorer_tokens_per_pass_sum") / passes if passes else math.nan,

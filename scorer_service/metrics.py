@@ -1,6 +1,9 @@
 """Prometheus metrics of one scorer process (served on KEV_METRICS_PORT; 0 = no endpoint).
 
     kev_scorer_requests_seconds{code}        histogram  ScoreQuestions latency by gRPC status code
+    kev_scorer_request_phase_seconds_total{phase} counter  answered requests' time by phase: prepare (parse,
+                                                        tokenise, build rows), acquire (the document's handle:
+                                                        directory, bank), rows (queued, passes, answers), release
     kev_scorer_queue_depth                   gauge      rows waiting for a row pass (the autoscaler's signal)
     kev_scorer_rows_per_pass                 histogram  rows in each row pass
     kev_scorer_tokens_per_pass               histogram  row tokens in each row pass
@@ -50,6 +53,8 @@ class ScorerMetrics:
         r = self.registry
         self.request_seconds = Histogram("kev_scorer_requests_seconds", "ScoreQuestions latency", ["code"],
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_phase_seconds = Counter("kev_scorer_request_phase_seconds",
+                                             "Answered requests' time by phase", ["phase"], registry=r)
         self.queue_depth = Gauge("kev_scorer_queue_depth", "Rows waiting for a row pass", registry=r)
         self.rows_per_pass = Histogram("kev_scorer_rows_per_pass", "Rows per row pass", buckets=_ROW_BUCKETS,
                                        registry=r)

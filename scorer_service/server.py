@@ -108,6 +108,7 @@ class ScorerService:
     def _score(self, raw: bytes, context: grpc.ServicerContext) -> api.ScoreResponse:
         if self.draining:
             raise Unavailable("the scorer is draining; retry on another")
+        clock = PhaseClock()
         deadline = time.monotonic() + self.budget_s(context)
         msg = wire.parse_request(raw, self.config.max_request_bytes)
         if len(msg.questions) > self.config.max_questions:
@@ -128,14 +129,18 @@ class ScorerService:
             prepared = validate_and_build(request, self.loaded.builder)
             if cut and not prepared.truncated:
                 prepared = dataclasses.replace(prepared, truncated=True)
+        clock.lap("prepare")
         for attempt in (1, 2):
             try:
                 lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic())
+                clock.lap("acquire")
                 try:
                     job = self.batcher.submit(prepared, lease)
                     self._wait(job, context, deadline)
+                    clock.lap("rows")
                 finally:
                     self.link.release(lease)
+                    clock.lap("release")
                 if job.error is not None:
                     raise job.error
                 break
@@ -143,6 +148,8 @@ class ScorerService:
                 if attempt == 2:
                     raise
                 log.info("retrying a request whose bank entry went stale: %s", e)
+        for phase, seconds in clock.seconds.items():
+            self.metrics.request_phase_seconds.labels(phase=phase).inc(seconds)
         doc = len(prepared.document_ids)
         usage = api.Usage(input_tokens=prepared.input_tokens, cached_state_tokens=doc if lease.cached else 0,
                           document_tokens=doc, truncated=prepared.truncated,
@@ -191,6 +198,20 @@ class ScorerService:
             if deadline - time.monotonic() <= 0:
                 raise DeadlineExceeded("deadline exceeded")
             raise Cancelled("the client cancelled the request")
+
+
+class PhaseClock:
+    """One request's seconds by phase (kev_scorer_request_phase_seconds): each lap is charged to the
+    phase it ends; a retried attempt adds to the same phases."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
+        self._mark = now
 
 
 def scorer_rpc_handler(score_questions, list_models) -> grpc.GenericRpcHandler:

@@ -103,6 +103,10 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert bank["launch"] + bank["device_wait"] == pytest.approx(run["state_worker_busy"], rel=0.02)
     assert bank["launch"] > 0 and 0 < bank["cpu"] <= bank["launch"] * 1.02
     assert run["new_document_acquire_ms"] >= run["state_pass_ms"] * 0.5  # an Acquire waits for its pass
+    phases = run["request_phase_ms"]  # inside the scorer, per answered request
+    assert set(phases) == {"prepare", "acquire", "rows", "release"} and min(phases.values()) > 0
+    assert phases["acquire"] >= run["new_document_acquire_ms"] * 0.5 and phases["rows"] >= run["row_pass_ms"] * 0.5
+    assert sum(phases.values()) <= run["mean_ms"] * 1.05  # the client's time holds the scorer's
     # New documents every request: 48 document + 6 x 32 row tokens each. No GPU: no matmul rate, no
     # ceiling, no CUDA-graph counters (the services export none on a CPU).
     assert run["tokens_per_s"] == pytest.approx(240 * run["requests_per_s"])
