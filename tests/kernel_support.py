@@ -129,3 +129,12 @@ def class_launches(cls, names) -> set[str]:
 
     skip = {"paged_prefix_attention"} if split_mode(cls) else SPLIT_ATTENTION
     return set(names) - skip
+
+
+def packed_chunks(lens, tokens: int, slots: int, block: int, entries: int):
+    """`kev.exec.static_pass.packed_chunk_lists` as host int64 tensors, to set beside fla's:
+    [entries, 2] (sequence, chunk) and [slots + 1]."""
+    from kev.exec.static_pass import packed_chunk_lists
+
+    pairs, offsets = packed_chunk_lists(lens, tokens, slots, block, entries)
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2), torch.tensor(offsets, dtype=torch.int64)

@@ -7,7 +7,7 @@ layout, `RowBatch` / `Passes._chunk_pass`). Then sequences n .. C-2 are empty an
 the padding sequence, tokens [T_real, T), which reads nothing and writes nowhere. The pass fits
 when T_real <= T, n < C and its chunks plus the padding sequence's are at most C (`GraphKey.fits`).
 
-The chunk lists are filled with each pass (`packed_chunks`): the real sequences' chunks, then the
+The chunk lists are filled with each pass (`packed_chunk_lists`): the real sequences' chunks, then the
 padding sequence's, then no-op entries (chunks past the padding sequence's end: every kernel masks
 all their rows; paged attention walks no keys for them). Entry positions equal the offsets plus
 the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them. Every index tensor a pass
@@ -122,13 +122,6 @@ def packed_chunk_lists(lens: Sequence[int], tokens: int, slots: int, block: int,
     per[-1] = entries - used  # the padding sequence's chunks, then the no-ops
     pairs = [v for seq, count in enumerate(per) for chunk in range(count) for v in (seq, chunk)]
     return pairs, list(accumulate(per, initial=0))
-
-
-def packed_chunks(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`packed_chunk_lists` as host int64 tensors: [entries, 2] (sequence, chunk) and [slots + 1]."""
-    pairs, offsets = packed_chunk_lists(lens, tokens, slots, block, entries)
-    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2), torch.tensor(offsets, dtype=torch.int64)
 
 
 def _ints(values) -> Sequence[int]:

@@ -27,23 +27,12 @@ from kev.v1 import scorer_pb2 as pb
 from kev.rpc.wire import response_from_proto
 from service_support import engine_answers
 from tiny_checkpoints import hide_fla
-from tiny_stack import make_tiny_checkpoint
 
-try:  # `python -m pytest` from the repo root has it on sys.path; a bare `pytest` may not
-    import bench  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench import load  # noqa: E402
-from bench.load_baseline import BaselineBatcher, BaselineScorer, BaselineService, build_server  # noqa: E402
-from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder  # noqa: E402
+from bench import load
+from bench.load_baseline import BaselineBatcher, BaselineScorer, BaselineService, build_server
+from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "kev-tiny")
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

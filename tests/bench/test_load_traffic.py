@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 
 import grpc
@@ -17,23 +16,12 @@ import pytest
 from kev.request import api
 from kev.request.prompts import validate_and_build
 from kev.v1 import scorer_pb2 as pb
-from tiny_stack import make_tiny_checkpoint
 
-try:  # `python -m pytest` from the repo root has it on sys.path; a bare `pytest` may not
-    import bench  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench import load, load_compare  # noqa: E402
-from bench.common import kev4b_config  # noqa: E402
-from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder  # noqa: E402
+from bench import load, load_compare
+from bench.common import kev4b_config
+from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, load_builder
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "kev-tiny")
 
 
 @pytest.fixture(scope="module")

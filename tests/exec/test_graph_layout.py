@@ -23,9 +23,9 @@ from kev.ops.triton_ops import TritonOps
 from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
 from kev.ops.shapes import ShapeClass
-from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, chunks_needed, packed_chunks
+from kev.exec.static_pass import CHUNK, GraphKey, PassKind, StaticPass, SweepKey, chunks_needed
 from random_models import random_model, tiny_config
-from kernel_support import rel_err
+from kernel_support import packed_chunks, rel_err
 
 
 class CpuTritonOps(ReferenceElementwise, TritonOps):

@@ -232,7 +232,7 @@ def test_kernels_match_references(ratio):
 
 def test_attention_reads_no_keys_past_a_keys_no_op_entries():
     """A CUDA-graph key's static chunk list runs on past its padding sequence (last in the pass)
-    with no-op entries (`kev.exec.static_pass.packed_chunks`), so that sequence gets query blocks
+    with no-op entries (`kev.exec.static_pass.packed_chunk_lists`), so that sequence gets query blocks
     far past its end, and past the pass's last token. d71f63f read such blocks' own keys unmasked up
     to the block start (the old state buckets' short sequences: up to 8,184 rows past the last
     token, ~100 MB past the qkv buffer, the model's column views having a 12 KB row stride); its
@@ -241,7 +241,7 @@ def test_attention_reads_no_keys_past_a_keys_no_op_entries():
     that match the reference."""
     from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
     from kev.ops.meta import PassMeta
-    from kev.exec.static_pass import packed_chunks
+    from kernel_support import packed_chunks
 
     L, doc, Hq, Hkv, D = 8192, 8184, 16, 4, 256
     block = query_block(Hq // Hkv)
