@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kev.bank.bank import Bank, BankFull, BankHandle
-from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable
+from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable, Registration
 from kev.bank.doc_key import document_key, key_fingerprint
 from kev.exec.passes import Passes
 
@@ -72,6 +72,7 @@ class Acquirer:
         self._reconcile_due = False
         self._space_retry_at = 0.0  # monotonic: documents waiting for space are not retried before
         self._epoch: str | None = None
+        self._epoch_checked = -float("inf")  # monotonic: the last check that found our epoch
         self._thread = threading.Thread(target=self._run, name="state-pass-worker", daemon=True)
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -215,6 +216,7 @@ class Acquirer:
         return batch
 
     def _process(self, batch: list[Job], reconcile: bool) -> None:
+        directory_start = time.perf_counter()
         try:
             self._ensure_epoch()
             if reconcile:
@@ -227,14 +229,14 @@ class Acquirer:
             return
         passes: list[tuple[Job, BankHandle]] = []
         full: list[Job] = []
-        for job in batch:
+        for i, job in enumerate(batch):
             with self._lock:
                 live = self._live.get(job.doc_key)
             if live is not None:  # state-passed since this Acquire's look-up: pin it
-                self._finish(job, live, new=False)
+                self._finish([(job, live, False)])
                 continue
             try:
-                handle = self._alloc(len(job.tokens))
+                handle = self._alloc(len(job.tokens), wanted=len(batch) - i)
                 self.bank.bind(handle, key_fingerprint(job.doc_key))  # before anyone hears of the slot
                 passes.append((job, handle))
             except BankFull:
@@ -245,6 +247,7 @@ class Acquirer:
         if not passes:
             return
         start, cpu_start = time.perf_counter(), time.thread_time()
+        self.metrics.state_pass_steps.labels(step="directory").inc(start - directory_start)
         try:
             self.passes.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
             launched, cpu = time.perf_counter(), time.thread_time() - cpu_start
@@ -263,8 +266,8 @@ class Acquirer:
         m.state_passes.inc()
         m.state_pass_documents.inc(len(passes))
         m.state_pass_tokens.inc(sum(len(j.tokens) for j, _ in passes))
-        for job, handle in passes:
-            self._finish(job, LiveEntry(handle, len(job.tokens)), new=True)
+        self._finish([(job, LiveEntry(handle, len(job.tokens)), True) for job, handle in passes])
+        m.state_pass_steps.labels(step="directory").inc(time.perf_counter() - end)
 
     def _hold_for_space(self, jobs: list[Job]) -> None:
         """Documents that found every entry pinned go back to the queue's front, in order, to be
@@ -290,13 +293,17 @@ class Acquirer:
                 job.waited_for_space = True
                 self.metrics.space_waits.inc()
 
-    def _alloc(self, tokens: int) -> BankHandle:
-        """A slot and pages, evicting least-recently-used unpinned entries while the bank is full."""
+    def _alloc(self, tokens: int, wanted: int = 1) -> BankHandle:
+        """A slot and pages, evicting least-recently-used unpinned entries while the bank is full.
+        The first eviction takes `wanted` entries (the documents of this pass still to place: a
+        full bank needs a slot for each, so one Redis call for the pass, not one per document);
+        then one at a time, as a long document may need several entries' pages."""
         while True:
             try:
                 return self.bank.alloc(tokens)
             except BankFull:
-                victims = self.directory.evict_if_unpinned(1)
+                victims = self.directory.evict_if_unpinned(max(1, wanted))
+                wanted = 1
                 if not victims:
                     raise
                 for victim in victims:
@@ -314,41 +321,64 @@ class Acquirer:
         self.bank.free(handle)
         self.metrics.evictions.inc()
 
-    def _finish(self, job: Job, entry: LiveEntry, new: bool) -> None:
-        """Register the entry (new) and pin it once per waiter; late joiners are included."""
+    def _finish(self, done: list[tuple[Job, LiveEntry, bool]]) -> None:
+        """Register each entry (new ones) and pin it once per waiter, late joiners included: every
+        registration of the pass in one Redis round trip (`Directory.register_many`)."""
+        plan = []
         with self._cv:
-            waiters = job.waiters
-            job.waiters = []
-            self._pending.pop(job.doc_key, None)
-        if new:
-            with self._lock:
-                self._live[job.doc_key] = entry
-        h = entry.handle
-        registered = not new
-        active = [w for w in waiters if not w.abandoned]
+            for job, entry, new in done:
+                waiters, job.waiters = job.waiters, []
+                self._pending.pop(job.doc_key, None)
+                plan.append((job, entry, new, [w for w in waiters if not w.abandoned]))
+        with self._lock:
+            for job, entry, new, _ in plan:
+                if new:
+                    self._live[job.doc_key] = entry
+        regs = []
+        for job, entry, new, active in plan:
+            h = entry.handle
+            if new and not active:  # registered unpinned: the next Acquire finds it
+                regs.append(Registration(job.doc_key, h.slot, h.generation, entry.length))
+            regs.extend(Registration(job.doc_key, h.slot, h.generation, entry.length, w.lease_s) for w in active)
         try:
-            if new and not active:
-                self.directory.register(job.doc_key, h.slot, h.generation, entry.length)
-                registered = True
-            while active:
-                waiter = active[0]
-                lease = self.directory.register(job.doc_key, h.slot, h.generation, entry.length,
-                                                pin_lease_s=waiter.lease_s)
-                registered = True
-                active.pop(0)
-                assert lease is not None
-                if not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, lease)):
-                    self._release_quietly(lease.lease_id)
-        except (DirectoryUnavailable, DirectoryConflict) as e:
-            if isinstance(e, DirectoryConflict):
-                log.error("registering %s at %s: %s", job.doc_key, h, e)
-                self.request_reconcile()
-            for waiter in active:
-                waiter.fail(Unavailable(f"directory: {e}"))
-            if not registered:  # nobody can reach the state: give the slot back
-                with self._lock:
-                    self._live.pop(job.doc_key, None)
-                self.bank.free(h)
+            results: list = self.directory.register_many(regs)
+            unreachable = None
+        except DirectoryUnavailable as e:
+            results, unreachable = [e] * len(regs), e
+        k = 0
+        for job, entry, new, active in plan:
+            n = len(active) or int(new)
+            self._settle(job, entry, new, active, results[k : k + n], unsure=unreachable is not None)
+            k += n
+
+    def _settle(self, job: Job, entry: LiveEntry, new: bool, active: list[Waiter], results: list,
+                unsure: bool) -> None:
+        """One document's registrations: each waiter gets its pin, or, from the first failed
+        registration on, the error (a pin taken after it is given back). A new entry nobody could
+        register gives its slot back; `unsure` (Redis went away mid-call, some may have run): the
+        slot goes back too and the directory is reconciled."""
+        h = entry.handle
+        failure = next((r for r in results if isinstance(r, Exception)), None)
+        registered = not new or (not unsure and any(not isinstance(r, Exception) for r in results))
+        failed = False
+        for waiter, r in zip(active, results[: len(active)], strict=True):  # (none: the one unpinned)
+            failed = failed or isinstance(r, Exception)
+            if failed:
+                if not isinstance(r, Exception):
+                    self._release_quietly(r.lease_id)
+                waiter.fail(Unavailable(f"directory: {failure}"))
+            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r)):
+                self._release_quietly(r.lease_id)
+        if failure is None:
+            return
+        if isinstance(failure, DirectoryConflict):
+            log.error("registering %s at %s: %s", job.doc_key, h, failure)
+        if isinstance(failure, DirectoryConflict) or (unsure and new):
+            self.request_reconcile()
+        if not registered:  # nobody can reach the state: give the slot back
+            with self._lock:
+                self._live.pop(job.doc_key, None)
+            self.bank.free(h)
 
     def _fail(self, job: Job, error: ServiceError) -> None:
         with self._cv:
@@ -366,8 +396,12 @@ class Acquirer:
         from taking new documents for ~30 s). Requests that were reading lost their pins with
         Redis; an entry evicted under one is caught by the scorer's handle checks, before its row
         pass and again after it (scorer_service/batcher.py), and retried: never a wrong answer."""
+        now = time.monotonic()
+        if self._epoch is not None and now < self._epoch_checked + self.epoch_check_s:
+            return  # checked lately: a busy worker asks Redis once per epoch_check_s, not once a pass
         current = self.directory.epoch()
         if current is not None and current == self._epoch:
+            self._epoch_checked = now
             return
         log.warning("directory epoch changed (%s -> %s): re-registering %d entries", self._epoch, current,
                     self.live_count())

@@ -66,7 +66,7 @@ class BankConfig:
     max_pass_documents: int = 64
     max_lease_seconds: float = 120.0  # longest lease a caller may ask for (issue 27: was 3600)
     grpc_workers: int = 64  # concurrent RPCs (Acquire blocks while its state pass runs)
-    epoch_check_s: float = 1.0  # how often an idle bank checks that Redis still holds its epoch
+    epoch_check_s: float = 1.0  # how often the bank checks that Redis still holds its epoch (idle or busy)
     shm_dir: Path = Path("/dev/shm")  # where the CPU bank's shared-memory file lives
     torch_threads: int = 0  # 0 = torch's default
     switch_interval_ms: float = 0.0  # the GIL's (kev/serving/interpreter.py); 0 = CPython's 5 ms

@@ -25,7 +25,9 @@ class BankMetrics:
         self.state_pass_documents = Counter("kev_bank_state_pass_documents", "Documents state-passed", registry=r)
         self.state_pass_tokens = Counter("kev_bank_state_pass_tokens", "Document tokens state-passed", registry=r)
         # A state pass's wall time by step: launch (fill + replay queued), device_wait (until the GPU
-        # is done); and the worker's CPU time in launches (launch minus it: blocked, e.g. on the GIL).
+        # is done), directory (the worker's Redis work around the pass: epoch check, evictions,
+        # registrations; not in the pass's own seconds); and the worker's CPU time in launches
+        # (launch minus it: blocked, e.g. on the GIL).
         self.state_pass_steps = Counter("kev_bank_state_pass_step_seconds", "State pass time by step", ["step"],
                                         registry=r)
         self.state_pass_cpu_seconds = Counter("kev_bank_state_pass_cpu_seconds", "State worker CPU time in launches",

@@ -392,13 +392,15 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
 def bank_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
     """The bank's side of the window: state passes, documents per pass, the mean wall time of a
     state pass and the share of the window its state-pass worker spent in passes (by step in
-    `state_worker_share`: launch, device_wait, and the launches' cpu), and the mean Acquire latency
+    `state_worker_share`: launch, device_wait, the launches' cpu, and the worker's directory time
+    around its passes: the epoch check, evictions, registrations), and the mean Acquire latency
     of new documents (queueing for a pass included)."""
     if before is None or after is None:
         return {}
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
     passes, pass_s = delta("kev_bank_state_passes_total"), delta("kev_bank_state_pass_seconds_sum")
-    steps = {s: delta(f'kev_bank_state_pass_step_seconds_total{{step="{s}"}}') for s in ("launch", "device_wait")}
+    steps = {s: delta(f'kev_bank_state_pass_step_seconds_total{{step="{s}"}}')
+             for s in ("launch", "device_wait", "directory")}
     steps["cpu"] = delta("kev_bank_state_pass_cpu_seconds_total")
     acquires = delta('kev_bank_acquire_seconds_count{cached="false"}')
     return {

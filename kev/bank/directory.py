@@ -76,6 +76,18 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Registration:
+    """One `register` call's arguments (`Directory.register_many` takes a list)."""
+
+    doc_key: str
+    slot: int
+    generation: int
+    length: int
+    pin_lease_s: float | None = None  # pin it for a requester in the same script
+    state: EntryState = EntryState.READY
+
+
+@dataclass(frozen=True)
 class DirectoryStats:
     entries: int
     pins_held: int
@@ -181,18 +193,51 @@ class Directory:
         Raises DirectoryConflict when the document is already at another handle, the slot holds
         another entry, or the generation is not newer than the slot's last one.
         """
-        self._check_doc_key(doc_key)
-        if slot < 0 or generation < 0 or length < 0:
-            raise ValueError(f"slot, generation and length must be >= 0: {slot}, {generation}, {length}")
-        if pin_lease_s is not None and state is not EntryState.READY:
+        r = Registration(doc_key, slot, generation, length, pin_lease_s, state)
+        lease_id, args = self._register_args(r)
+        return self._lease(r, lease_id, self._run(self._register, *args))
+
+    def register_many(self, registrations: Sequence[Registration]) -> list[Lease | None | DirectoryConflict]:
+        """`register` of each, in order, in one round trip (a pipeline of the same script, each
+        call atomic on its own): a state pass's documents cost the bank one wait for Redis, not
+        one each. Per registration its `register` result, or the DirectoryConflict it raised;
+        DirectoryUnavailable if Redis could not be reached (some may then have run: each is
+        retry-safe, and the bank reconciles)."""
+        calls = [(r, *self._register_args(r)) for r in registrations]
+        if not calls:
+            return []
+        with _translate_errors():
+            pipe = self.client.pipeline(transaction=False)
+            for _, _, args in calls:
+                self._register(keys=[self.prefix + "lru"], args=[self.prefix, *args], client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+        out: list[Lease | None | DirectoryConflict] = []
+        for (r, lease_id, _), reply in zip(calls, replies, strict=True):
+            if isinstance(reply, Exception):
+                try:
+                    with _translate_errors():
+                        raise reply
+                except DirectoryConflict as conflict:  # this one's answer; any other error is the call's
+                    out.append(conflict)
+                    continue
+            out.append(self._lease(r, lease_id, reply))
+        return out
+
+    def _register_args(self, r: Registration) -> tuple[str, tuple]:
+        self._check_doc_key(r.doc_key)
+        if r.slot < 0 or r.generation < 0 or r.length < 0:
+            raise ValueError(f"slot, generation and length must be >= 0: {r.slot}, {r.generation}, {r.length}")
+        if r.pin_lease_s is not None and r.state is not EntryState.READY:
             raise ValueError("only a ready entry can be pinned")
-        lease_id = "" if pin_lease_s is None else uuid.uuid4().hex
-        lease_ms = 0 if pin_lease_s is None else _lease_ms(pin_lease_s)
-        reply = self._run(self._register, doc_key, slot, str(generation), length, self.node, state.value,
-                          lease_id, lease_ms)
+        lease_id = "" if r.pin_lease_s is None else uuid.uuid4().hex
+        lease_ms = 0 if r.pin_lease_s is None else _lease_ms(r.pin_lease_s)
+        return lease_id, (r.doc_key, r.slot, str(r.generation), r.length, self.node, r.state.value, lease_id, lease_ms)
+
+    @staticmethod
+    def _lease(r: Registration, lease_id: str, reply) -> Lease | None:
         if reply is None:
             return None
-        return Lease(lease_id, doc_key, slot, generation, length, int(_str(reply)))  # type: ignore[arg-type]
+        return Lease(lease_id, r.doc_key, r.slot, r.generation, r.length, int(_str(reply)))
 
     def unregister(self, doc_key: str, slot: int, generation: int) -> bool:
         """Removes the entry at exactly this handle (e.g. a failed state pass); False if absent.

@@ -15,6 +15,7 @@ from kev.bank.directory import (
     DirectoryConflict,
     DirectoryUnavailable,
     EntryState,
+    Registration,
     connect,
 )
 from kev.bank.doc_key import document_key
@@ -156,6 +157,41 @@ def test_generations_guard_slot_reuse(directory: Directory) -> None:
     assert lease is not None and (lease.slot, lease.generation, lease.length) == (0, big + 1, 4)
 
 
+def test_register_many_is_each_register_in_one_round_trip(redis_server: RedisServer,  # noqa: F811
+                                                            directory: Directory) -> None:
+    """A state pass's registrations in one pipeline: each gets what `register` would have given it
+    (a pin, none, or its own conflict) and a conflict fails only its own registration."""
+    twin = Directory(connect(redis_server.url), MODEL, "node-twin")  # the same calls one by one
+    twin.reset()
+    directory.register(key(9), slot=5, generation=3, length=3)  # slot 5 is taken: key(2) conflicts
+    twin.register(key(9), slot=5, generation=3, length=3)
+    regs = [Registration(key(0), 0, 1, 3, pin_lease_s=5.0), Registration(key(0), 0, 1, 3, pin_lease_s=5.0),
+            Registration(key(1), 1, 1, 4), Registration(key(2), 5, 4, 3, pin_lease_s=5.0),
+            Registration(key(3), 2, 1, 3, pin_lease_s=5.0)]
+    got = directory.register_many(regs)
+    one_by_one = []
+    for r in regs:
+        try:
+            one_by_one.append(twin.register(r.doc_key, r.slot, r.generation, r.length, pin_lease_s=r.pin_lease_s))
+        except DirectoryConflict as e:
+            one_by_one.append(e)
+    kinds = lambda results: [type(x).__name__ for x in results]  # noqa: E731
+    assert kinds(got) == kinds(one_by_one) == ["Lease", "Lease", "NoneType", "DirectoryConflict", "Lease"]
+    assert str(got[3]) == str(one_by_one[3]) and "KEV_CONFLICT" in str(got[3])
+    for mine, theirs in zip(got, one_by_one):
+        if mine is not None and not isinstance(mine, Exception):
+            assert (mine.doc_key, mine.slot, mine.generation, mine.length) == \
+                (theirs.doc_key, theirs.slot, theirs.generation, theirs.length)
+            assert mine.lease_id != theirs.lease_id and len(mine.lease_id) == 32
+    assert got[0].lease_id != got[1].lease_id
+    assert {e.doc_key: e.pins for e in directory.entries()} == {e.doc_key: e.pins for e in twin.entries()} == \
+        {key(9): 0, key(0): 2, key(1): 0, key(3): 1}
+    assert directory.register_many([]) == []
+    with pytest.raises(ValueError):  # checked before anything is sent
+        directory.register_many([Registration(key(4), -1, 1, 3)])
+    assert key(4) not in {e.doc_key for e in directory.entries()}
+
+
 def test_concurrent_pins_lose_no_update(directory: Directory) -> None:
     directory.register(key(0), 0, 1, 3)
     threads, per_thread = 16, 40
@@ -276,6 +312,7 @@ def test_redis_restart(redis_server: RedisServer, directory: Directory) -> None:
         lambda: directory.renew(lease.lease_id, 5.0),
         lambda: directory.release(lease.lease_id),
         lambda: directory.register(key(1), 1, 1, 3),
+        lambda: directory.register_many([Registration(key(1), 1, 1, 3, pin_lease_s=5.0)]),
         lambda: directory.evict_if_unpinned(1),
         directory.entries,
         directory.pins_held,
@@ -300,3 +337,7 @@ def test_redis_restart(redis_server: RedisServer, directory: Directory) -> None:
     assert guard is not None and directory.evict_if_unpinned(10) == []
     again = directory.lookup_and_pin(key(0), 5.0)
     assert again is not None and (again.slot, again.generation) == (0, 1)
+    redis_server.restart()  # a pipeline of scripts Redis no longer has loads them first
+    directory.reset()
+    (pinned,) = directory.register_many([Registration(key(1), 1, 1, 3, pin_lease_s=5.0)])
+    assert pinned is not None and directory.entries()[0].pins == 1

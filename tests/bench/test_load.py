@@ -91,6 +91,7 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     bank = run["state_worker_share"]
     assert bank["launch"] + bank["device_wait"] == pytest.approx(run["state_worker_busy"], rel=0.02)
     assert bank["launch"] > 0 and 0 < bank["cpu"] <= bank["launch"] * 1.02
+    assert 0 < bank["directory"] < 1  # the epoch check, evictions and registrations around the passes
     assert run["new_document_acquire_ms"] >= run["state_pass_ms"] * 0.5  # an Acquire waits for its pass
     phases = run["request_phase_ms"]  # inside the scorer, per answered request
     assert set(phases) == {"prepare", "acquire", "rows", "release"} and min(phases.values()) > 0

@@ -456,11 +456,12 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
                              synchronize=lambda: order.append("synchronize"))
     bank = SimpleNamespace(alloc=lambda n: BankHandle(len(order), 1), bind=lambda handle, fingerprint: None)
 
-    def register(doc_key, slot, generation, length, pin_lease_s=None):
-        order.append("register")
-        return Lease(f"lease-{doc_key}", doc_key, slot, generation, length, 0) if pin_lease_s else None
+    def register_many(regs):
+        order.extend("register" for _ in regs)
+        return [Lease(f"lease-{r.doc_key}", r.doc_key, r.slot, r.generation, r.length, 0) if r.pin_lease_s else None
+                for r in regs]
 
-    directory = SimpleNamespace(model_id="m", epoch=lambda: "e", register=register)
+    directory = SimpleNamespace(model_id="m", epoch=lambda: "e", register_many=register_many)
     counter = SimpleNamespace(inc=lambda n=1: None, observe=lambda s: None)
     metrics = SimpleNamespace(state_pass_seconds=counter, state_passes=counter, state_pass_documents=counter,
                               state_pass_tokens=counter, state_pass_steps=SimpleNamespace(labels=lambda step: counter),

@@ -356,6 +356,38 @@ def test_an_abandoned_acquire_keeps_no_pin(bank):
     assert again.cached
 
 
+def test_a_pass_registers_its_documents_in_one_round_trip_and_a_conflict_costs_only_its_own(bank):
+    """The pass's registrations go to Redis together (`Directory.register_many`); one that
+    conflicts (here: its document already registered at another handle) fails its own caller with
+    UNAVAILABLE, gives its slot back and asks for a reconcile; the others get their pins."""
+    from kev.serving.errors import Unavailable
+
+    bank.held.hold = True
+    threads, results = in_threads(bank.acq.acquire, [(tokens(30, 10), 30, 10)])
+    assert bank.held.inside.wait(5)
+    docs = [tokens(i, 12) for i in (31, 32, 33)]
+    more, more_results = in_threads(bank.acq.acquire, [(d, 30, 10) for d in docs])
+    wait_until(lambda: len(bank.acq._queue) == 3, "three documents queued behind the pass")
+    clash = document_key(bank.acq.model_id, docs[1])
+    bank.directory.register(clash, slot=10_000, generation=1, length=12)  # another handle holds it
+    calls = []
+    real = bank.directory.register_many
+    bank.directory.register_many = lambda regs: calls.append(len(regs)) or real(regs)
+    used = bank.acq.bank.stats().slots_used
+    bank.held.release()
+    for t in threads + more:
+        t.join(10)
+    assert calls == [1, 3]  # one round trip a pass, whatever its documents
+    assert not isinstance(results[0], Exception)
+    assert isinstance(more_results[1], Unavailable) and "KEV_CONFLICT" in str(more_results[1])
+    for got in (more_results[0], more_results[2]):
+        assert not isinstance(got, Exception) and not got.cached
+    assert bank.acq.bank.stats().slots_used == used + 2  # the conflicting one's slot went back
+    pins = {e.doc_key: e.pins for e in bank.directory.entries()}
+    assert pins[document_key(bank.acq.model_id, docs[0])] == 1 and pins[document_key(bank.acq.model_id, docs[2])] == 1
+    wait_until(lambda: clash not in {e.doc_key for e in bank.directory.entries()}, "the reconcile's clean-up")
+
+
 # ---- the whole path ----------------------------------------------------------------------------
 
 
