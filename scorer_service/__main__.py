@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ScorerMetrics()
     # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/exec/passes.py).
     ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)
-    builder = PassBuilder(None, ops, PassRole.ROWS, config.graph_plan)  # each attachment brings its model
+    # each attachment brings its model; the head runs inside the row graphs (kev/request/answers.py)
+    builder = PassBuilder(None, ops, PassRole.ROWS, config.graph_plan, head=loaded.head,
+                          head_width=config.limits.max_options)
     metrics.watch_graphs(lambda: builder.graph_stats)
     link = BankLink(config, loaded, builder, metrics)
     batcher = RowBatcher(link, loaded.head, metrics, max_rows_per_pass=config.max_rows_per_pass,

@@ -1,8 +1,8 @@
 """The cross-request row batcher: question rows of many requests into shared row passes.
 
 Decisions only, no tensors of its own: `submit` queues a request's rows; ONE worker thread builds
-each pass and hands it to the engine's shared pieces: `row_batch_for` -> the attachment's
-`row_pass` (kev/exec/passes.py) -> `start_answers`.
+each pass and hands it to the engine's shared pieces: `row_batch_for` -> `launch_rows` (the
+attachment's row pass, kev/exec/passes.py, with the decision head in its CUDA graph when it has one).
 
 When a pass starts (continuous batching, issue 26). With no pass of this scorer on the device
 (none launched and not yet finished there), whatever rows wait go at once: a request that finds
@@ -52,7 +52,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kev.request.answers import PendingAnswers, start_answers
+from kev.request.answers import PendingAnswers, launch_rows
 
 from kev.request.rows import row_batch_for
 from kev.request.head import DecisionHead
@@ -320,9 +320,8 @@ class RowBatcher:
                        for job, idx in jobs.items()]
             batch = row_batch_for(partial, [job.lease.handle for job in jobs], current.passes.device)
             packed = time.perf_counter()
-            hidden = current.passes.row_pass(batch)
+            pending = launch_rows(current.passes, self.head, partial, batch)
             passed = time.perf_counter()
-            pending = start_answers(self.head, partial, hidden)
         except BaseException as e:  # noqa: BLE001 - every job of the pass gets the error
             self._fail_pass(jobs, e)
             return None

@@ -13,7 +13,9 @@
                                                         replay, queue the head), device_wait (blocked on the GPU
                                                         for a pass's answers), answers (host: answers to jobs)
     kev_scorer_row_launch_seconds_total{step} counter   the launch phase by step: check (handles), pack (the row
-                                                        batch), pass (fill + replay), head (queued, copy started)
+                                                        batch), pass (fill + replay, with the head when it is in
+                                                        the graph, and the copy out started), head (the eager
+                                                        head's launch: only for passes without a graph)
     kev_scorer_row_launch_cpu_seconds_total  counter    the row worker's CPU time in launches (launch minus
                                                         this: blocked, on the GIL or in a blocking call)
     kev_scorer_bank_lookups_total{result}    counter    document handles: hit (state in the bank) / miss

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -150,6 +150,14 @@ class _Entry:
         self.rows = rows  # a SweepKey's rows (ROWS layout); None for a single pass
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.probs: torch.Tensor | None = None  # a row key's decision-head output, with a head
+
+
+class PickHead(Protocol):
+    """What a row graph runs after the model when the cache has a head (kev.request.head.DecisionHead)."""
+
+    def pick_probabilities(self, hidden: torch.Tensor, owner: torch.Tensor, table_row: torch.Tensor,
+                           table_col: torch.Tensor, width: int) -> torch.Tensor: ...
 
 
 class GraphCache:
@@ -158,8 +166,12 @@ class GraphCache:
 
     def __init__(self, rows: KeyLadder | None = None, states: KeyLadder | None = None,
                  policy: CapturePolicy = CapturePolicy.START_UP, max_sweeps: int = 16, min_uses: int = 2,
-                 stats: GraphStats | None = None):
+                 stats: GraphStats | None = None, head: PickHead | None = None, head_width: int = 0):
         self.rows, self.states = rows, states
+        # With a head, every row key's graph ends in it (`run_row_probabilities`): a launch is then
+        # the fill, one replay and one copy out, where the head's own ~30 ops would each wait for
+        # the GIL among the request threads. `head_width`: the most options a question may have.
+        self.head, self.head_width = head, head_width
         self.policy, self.max_sweeps, self.min_uses = policy, max_sweeps, min_uses
         self.stats = stats if stats is not None else GraphStats()  # shared: a process's counts over re-attaches
         self._entries: OrderedDict[AnyKey, _Entry] = OrderedDict()
@@ -168,6 +180,7 @@ class GraphCache:
         self.failed: set[AnyKey] = set()
         self._pool = None
         self._out: torch.Tensor | None = None  # every row graph's picks land here
+        self._probs: torch.Tensor | None = None  # and their head's probabilities here
 
     def all_keys(self) -> list[GraphKey]:
         """Every key of the ladders, largest first (the capture order: see `capture`)."""
@@ -209,7 +222,17 @@ class GraphCache:
         entry = self._prepare(passes, key)
         P = entry.static.fill_rows(*batch.host_fields(), passes.bank.block_table)
         self._count_rows(key, batch)
-        return self._run(passes, key, entry)[:P].clone()
+        return self._run(passes, key, entry)[0][:P].clone()
+
+    def run_row_probabilities(self, passes: Passes, key: GraphKey, batch: RowBatch,
+                              layout: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`batch` in `key`'s buffers, the head in the pass: [P] fp32 per real pick (`layout`:
+        `kev.request.head.pick_layout` of its rows). A view of the shared output, valid until the
+        next row pass: copy it out (to the host) before launching another."""
+        entry = self._prepare(passes, key)
+        P = entry.static.fill_rows(*batch.host_fields(), passes.bank.block_table, layout)
+        self._count_rows(key, batch)
+        return self._run(passes, key, entry)[1][:P]
 
     def run_state(self, passes: Passes, key: GraphKey, chunks: Sequence[Sequence[int]], slots: Sequence[int],
                   starts: Sequence[int] | None = None) -> None:
@@ -228,7 +251,7 @@ class GraphCache:
         P = entry.rows.fill_rows(*batch.host_fields(), table)
         self._count_state(key.state, documents)
         self._count_rows(key.rows, batch)
-        return self._run(passes, key, entry)[:P].clone()
+        return self._run(passes, key, entry)[0][:P].clone()
 
     def _count_rows(self, key: GraphKey, batch: RowBatch) -> None:
         real = sum(batch.row_lens)
@@ -300,15 +323,20 @@ class GraphCache:
         self._entries.move_to_end(key)
         return entry
 
-    def _forward(self, passes: Passes, entry: _Entry) -> torch.Tensor:
+    def _forward(self, passes: Passes, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The keyed pass: (its output: [picks, d] for rows, nothing useful for a state pass; the
+        head's [picks] probabilities for a row key when the cache has a head, else None)."""
         s, r = entry.static, passes
         if entry.rows is None:
-            return r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
+            out = r.model(s.tokens, s.meta, r.bank.pools, r.ops, picks=s.picks)
+            if self.head is None or s.key.kind is not PassKind.ROWS:
+                return out, None
+            return out, self.head.pick_probabilities(out, s.head_owner, s.head_row, s.head_col, self.head_width)
         rows, Td = entry.rows, s.key.num_tokens  # one sweep: the documents' tokens, then the rows'
         meta = PhasedMeta((s.meta, rows.meta), (Td, rows.key.num_tokens))
         r.ops.pin(meta.joined, joined_indices(s, rows))  # built on the device, in the graph, as its cu_seqlens
         return r.model(torch.cat([s.tokens, rows.tokens]), meta, r.bank.pools, r.ops, picks=rows.picks + Td,
-                       mixer_scope=r.phase_scope)
+                       mixer_scope=r.phase_scope), None
 
     def _count_use(self, key: AnyKey) -> None:
         """A sweep run as two replays: queued for capture when idle at `min_uses`."""
@@ -330,11 +358,11 @@ class GraphCache:
                 self._count_use(key)
         return entry
 
-    def _run(self, passes: Passes, key: AnyKey, entry: _Entry) -> torch.Tensor:
+    def _run(self, passes: Passes, key: AnyKey, entry: _Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
         if entry.graph is not None:
             entry.graph.replay()
             self.stats.replays += 1
-            return entry.out
+            return entry.out, entry.probs
         self.stats.eager_bucketed += 1
         with passes.tuned(key.shape_class):
             return self._forward(passes, entry)
@@ -352,13 +380,15 @@ class GraphCache:
 
     def _capture(self, passes: Passes, key: AnyKey, entry: _Entry) -> None:
         with passes.tuned(key.shape_class):
-            entry.graph, entry.out = self._record(passes, entry)
+            entry.graph, entry.out, entry.probs = self._record(passes, entry)
         self.stats.captures += 1
         self._uses.pop(key, None)
 
-    def _record(self, passes: Passes, entry: _Entry) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(self, passes: Passes, entry: _Entry
+                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         """Warm the pass up on a side stream (compiles; autotunes only an unwarmed class), then
-        capture it into the shared pool. Returns (graph, its output: a view of the shared buffer).
+        capture it into the shared pool. Returns (graph, its output and its head's: views of the
+        shared buffers).
         The warm-up runs what the buffers hold, so they must hold a synthetic fill that writes
         nowhere: a real pass run twice would apply a continuing chunk twice, and a pass kept
         from earlier may write slots that now belong to other documents."""
@@ -367,21 +397,26 @@ class GraphCache:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            warm = self._forward(passes, entry)
+            warm, warm_probs = self._forward(passes, entry)
         torch.cuda.current_stream().wait_stream(side)
         picks = warm.shape[0]
+        most = max(picks, self.rows.max_tokens if self.rows is not None else 0)  # every row key's picks
         if picks and (self._out is None or self._out.shape[0] < picks):
-            most = max(picks, self.rows.max_tokens if self.rows is not None else 0)  # every row key's picks
             self._out = torch.empty((most, warm.shape[1]), dtype=warm.dtype, device=warm.device)
+        if warm_probs is not None and (self._probs is None or self._probs.shape[0] < picks):
+            self._probs = torch.empty(most, dtype=warm_probs.dtype, device=warm_probs.device)
         out = self._out[:picks] if picks else warm
+        probs = self._probs[:picks] if warm_probs is not None else None
         graph = torch.cuda.CUDAGraph()
         # thread_local: a server's other threads (a scorer re-attaching, mapping a new bank's memory)
         # may make CUDA calls while its pass thread captures; none of them touches this stream.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            result = self._forward(passes, entry)
+            result, result_probs = self._forward(passes, entry)
             if picks:
                 out.copy_(result)
-        return graph, (out if picks else result)
+            if probs is not None:
+                probs.copy_(result_probs)
+        return graph, (out if picks else result), probs
 
     def _evict(self, key: AnyKey) -> None:
         entry = self._entries.pop(key)

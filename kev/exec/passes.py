@@ -40,7 +40,7 @@ import torch
 
 from kev.bank.bank import Bank, BankHandle
 from kev.exec.batch import RowBatch
-from kev.exec.graphs import CapturePolicy, GraphCache, GraphStats, KeyLadder
+from kev.exec.graphs import CapturePolicy, GraphCache, GraphStats, KeyLadder, PickHead
 from kev.exec.memory import state_pass_peak_bytes
 from kev.exec.plan import GraphPlan, PassRole
 from kev.exec.static_pass import GraphKey, PassKind
@@ -103,6 +103,20 @@ class Passes:
             return self.graphs.run_rows(self, key, batch)
         self._count_unbucketed()
         return self._eager_rows(batch)
+
+    @torch.no_grad()
+    def row_probabilities(self, batch: RowBatch, layout: Sequence[Sequence[int]], widest: int) -> torch.Tensor | None:
+        """The row pass with the decision head in its CUDA graph: [P] fp32, each option pick's
+        probability within its question (`layout`: `kev.request.head.pick_layout` of the rows;
+        `widest`: their most options). None when the pass runs no such graph (no head in the
+        cache, a question wider than its table, or a pass beyond the ladder): then `row_pass` and
+        the head. The result is a view of the graphs' shared output: copy it out before the next
+        row pass."""
+        graphs = self.graphs
+        if graphs is None or graphs.head is None or widest > graphs.head_width:
+            return None
+        key = graphs.row_key(batch)
+        return None if key is None else graphs.run_row_probabilities(self, key, batch, layout)
 
     @torch.no_grad()
     def sweep(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle], batch: RowBatch) -> torch.Tensor:
@@ -246,8 +260,9 @@ class PassBuilder:
     process's graphs over re-attaches."""
 
     def __init__(self, model: Qwen35Model | None, ops: Ops, role: PassRole, plan: GraphPlan = GraphPlan(),
-                 state_chunk_tokens: int = 8192):
+                 state_chunk_tokens: int = 8192, head: PickHead | None = None, head_width: int = 0):
         self.model, self.ops, self.role, self.plan = model, ops, role, plan
+        self.head, self.head_width = head, head_width  # the row graphs' decision head (GraphCache)
         self.state_chunk_tokens = state_chunk_tokens
         self.tuner: ClassTuner | None = None  # made by the first CUDA build
         self.graph_stats: GraphStats | None = None  # likewise
@@ -287,7 +302,7 @@ class PassBuilder:
                          time.perf_counter() - start)
             if not self.plan.cuda_graphs:
                 return passes
-            graphs = GraphCache(*self.ladders(), stats=self.graph_stats)
+            graphs = GraphCache(*self.ladders(), stats=self.graph_stats, head=self.head, head_width=self.head_width)
             passes = passes.with_graphs(graphs)
             keys = graphs.all_keys()
             if capture:

@@ -11,7 +11,8 @@ The chunk lists are filled with each pass (`packed_chunk_lists`): the real seque
 padding sequence's, then no-op entries (chunks past the padding sequence's end: every kernel masks
 all their rows; paged attention walks no keys for them). Entry positions equal the offsets plus
 the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them. Every index tensor a pass
-reads (tokens, positions, cu_seqlens, slots, prefix lengths, block table, picks, chunk lists) is a
+reads (tokens, positions, cu_seqlens, slots, prefix lengths, block table, picks and the decision
+head's layout of them, chunk lists) is a
 slice of one device block allocated once here and refilled by one host-built copy, so nothing is
 derived from a buffer that changes between replays and nothing syncs with the host.
 
@@ -143,10 +144,11 @@ class StaticPass:
         self.attn_block = attn_block
         # Attention's query blocks divide CHUNK, so a sequence's blocks are at most CHUNK / block per chunk.
         self.attn_entries = key.chunks * (CHUNK // attn_block)
-        self._sizes = (T, T, N + 1, N, N, N, P, 2 * key.chunks, N + 1, 2 * self.attn_entries)
+        self._sizes = (T, T, N + 1, N, N, N, P, P, P, P, 2 * key.chunks, N + 1, 2 * self.attn_entries)
         self._ints = self._block([], (), (), (), -1, ()).to(device)  # an empty pass: all padding
         (self.tokens, self.positions, self.cu_seqlens, self.write_slots, self.read_slots, self.prefix_lens,
-         self.picks, chunks, self.chunk_offsets, attn_chunks) = self._ints.split(self._sizes)
+         self.picks, self.head_owner, self.head_row, self.head_col, chunks, self.chunk_offsets,
+         attn_chunks) = self._ints.split(self._sizes)
         self.chunks, self.attn_chunks = chunks.view(-1, 2), {attn_block: attn_chunks.view(-1, 2)}
         self.block_table = torch.zeros((N, table_width), dtype=torch.int32, device=device)
         self.meta = PassMeta(cu_seqlens=self.cu_seqlens, read_slots=self.read_slots, write_slots=self.write_slots,
@@ -164,12 +166,13 @@ class StaticPass:
 
     def _block(self, lens: Sequence[int], tokens: Iterable[Sequence[int]], positions: Iterable[Sequence[int]],
                read: Iterable[int] | int, write: Iterable[int] | int, prefix: Iterable[int],
-               picks: Sequence[int] = ()) -> torch.Tensor:
+               picks: Sequence[int] = (), head: Sequence[Sequence[int]] = ((), (), ())) -> torch.Tensor:
         """One pass as a host int64 block laid out as the device one (`_sizes`): the n real
         sequences (`tokens` and `positions` in parts, end to end), then empty ones (cu_seqlens at
         the real tokens' end, slots -1), then the padding sequence to T (token 0 at its own
         positions 0..). `read` / `write` may be one int for every sequence. Padding picks read
-        token 0 (a real position; their outputs are dropped)."""
+        token 0 (a real position; their outputs are dropped). `head`: the real picks' decision-
+        head layout (`kev.request.head.pick_layout`); padding picks take 0s (outside every softmax)."""
         key = self.key
         T, N, n, Tr = key.num_tokens, key.num_slots, len(lens), sum(lens)
         out = array("q")
@@ -186,8 +189,9 @@ class StaticPass:
             out.extend(repeat(per_seq, n) if isinstance(per_seq, int) else per_seq)
             out.extend(repeat(none, N - n))
         if key.picks:
-            out.extend(picks)
-            out.extend(repeat(0, key.picks - len(picks)))
+            for part in (picks, *head):
+                out.extend(part)
+                out.extend(repeat(0, key.picks - len(part)))
         pairs, offsets = packed_chunk_lists(lens, T, N, CHUNK, key.chunks)
         out.extend(pairs)
         out.extend(offsets)
@@ -197,16 +201,20 @@ class StaticPass:
                              "a field has the wrong length")
         return torch.frombuffer(out, dtype=torch.int64)
 
-    def fill_rows(self, tokens, cu_seqlens, slots, doc_lens, positions, picks, bank_table: torch.Tensor) -> int:
+    def fill_rows(self, tokens, cu_seqlens, slots, doc_lens, positions, picks, bank_table: torch.Tensor,
+                  head: Sequence[Sequence[int]] = ((), (), ())) -> int:
         """Place a packed row batch (it `fits`: the caller chose the key from host ints) into the
         buffers: the block built in Python, one copy in, then the rows' block-table rows gathered
         on the device; no sync. The fields are host ints (`RowBatch.host_fields`); tensors are
-        read back first (start-up, tests). Returns P, the real picks."""
+        read back first (start-up, tests); `head`: the picks' decision-head layout, if the pass
+        runs the head. Returns P, the real picks."""
         assert self.key.kind is PassKind.ROWS
         cu, picks = _ints(cu_seqlens), _ints(picks)
+        if any(len(part) not in (0, len(picks)) for part in head):
+            raise ValueError(f"a head layout of {[len(p) for p in head]} entries for {len(picks)} picks")
         lens = [b - a for a, b in zip(cu, cu[1:])]
         copy_in(self._ints, self._block(lens, [_ints(tokens)], [_ints(positions)], _ints(slots), -1, _ints(doc_lens),
-                                        picks))
+                                        picks, head))
         n = len(lens)
         torch.index_select(bank_table, 0, self.read_slots[:n].clamp(min=0), out=self.block_table[:n])
         return len(picks)

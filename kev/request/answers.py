@@ -1,5 +1,6 @@
 """A pass's picked hidden states -> answers per request: the head queued on the device, its output
-copied to the host without waiting (`start_answers`), the answers built when they are read."""
+copied to the host without waiting (`start_answers`; `launch_rows` puts the head in the row pass's
+CUDA graph when it can), the answers built when they are read."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from itertools import chain
 import torch
 
 from kev.exec.transfer import host_int64, to_device, to_host_later
-from kev.request.head import DecisionHead, answers, segments
+from kev.exec.batch import RowBatch
+from kev.exec.passes import Passes
+from kev.request.head import DecisionHead, answers, pick_layout, segments
 from kev.request.prompts import PreparedRequest
 
 
@@ -29,6 +32,7 @@ class PendingAnswers:
     counts: list[int]
     probs: torch.Tensor  # [O] fp32 on the host (pinned, filled by a copy behind `ready` on CUDA)
     ready: torch.cuda.Event | None
+    options: list[int] | None = None  # when `probs` holds every pick ([P]): the options' picks
 
     def wait(self) -> None:
         """Until the probabilities are on the host (no-op on CPU)."""
@@ -37,7 +41,11 @@ class PendingAnswers:
 
     def result(self) -> list[dict]:
         self.wait()
-        flat = answers(self.questions, self.probs, self.counts)
+        probs = self.probs
+        if self.options is not None:
+            every = probs.tolist()
+            probs = [every[i] for i in self.options]
+        flat = answers(self.questions, probs, self.counts)
         out, k = [], 0
         for req in self.prepared:
             out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
@@ -45,9 +53,9 @@ class PendingAnswers:
         return out
 
 
-def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> PendingAnswers:
-    """`answer_rows` in two steps: the head is queued on the device here and its output copied to
-    the host without waiting, so the scorer can launch its next pass before it reads this one."""
+def _layout(prepared: Sequence[PreparedRequest]) -> tuple[list, list[int], list[int], list[int]]:
+    """(questions, option counts, decide picks, option picks) of a pass's rows, in row order:
+    each row's picks are [decide, option ends...] (kev.request.rows)."""
     questions, counts, decide_idx, opt_idx = [], [], [], []
     i = 0
     for req in prepared:
@@ -58,6 +66,34 @@ def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidde
             decide_idx.append(i)
             opt_idx.extend(range(i + 1, i + 1 + n))
             i += 1 + n
+    return questions, counts, decide_idx, opt_idx
+
+
+def launch_rows(passes: Passes, head: DecisionHead, prepared: Sequence[PreparedRequest], batch: RowBatch
+                ) -> PendingAnswers:
+    """A pass's rows and their head queued on the device, the answers on their way to the host:
+    the decision head inside the row pass's CUDA graph when it has one (`Passes.row_probabilities`:
+    one replay and one copy out), else the row pass then `start_answers`."""
+    questions, counts, _, opt_idx = _layout(prepared)
+    probs = passes.row_probabilities(batch, pick_layout(counts), max(counts, default=0))
+    if probs is None:
+        return start_answers(head, prepared, passes.row_pass(batch))
+    return PendingAnswers(prepared, questions, counts, *_to_host(probs), options=opt_idx)
+
+
+def _to_host(probs: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    host = to_host_later(probs)
+    ready = None
+    if probs.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record()  # after the copy: waiting on it waits for this pass only
+    return host, ready
+
+
+def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> PendingAnswers:
+    """`answer_rows` in two steps: the head is queued on the device here and its output copied to
+    the host without waiting, so the scorer can launch its next pass before it reads this one."""
+    questions, counts, decide_idx, opt_idx = _layout(prepared)
     # Every index the head needs in one host block and one copy (each torch op on the host may wait
     # for the GIL on the scorer's row worker: kev/exec/static_pass.py).
     seg, col = segments(counts)
@@ -65,9 +101,4 @@ def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidde
     block = to_device(host_int64(chain(decide_idx, opt_idx, seg, col)), hidden.device)
     at_decide, at_opts, seg_t, col_t = block.split([Q, O, O, O])
     probs = head.probabilities_at(hidden[at_decide], hidden[at_opts], seg_t, col_t, max(counts, default=0))
-    host = to_host_later(probs)
-    ready = None
-    if hidden.device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()  # after the copy: waiting on it waits for this pass only
-    return PendingAnswers(prepared, questions, counts, host, ready)
+    return PendingAnswers(prepared, questions, counts, *_to_host(probs))

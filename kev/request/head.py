@@ -40,6 +40,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 
 import torch
@@ -119,6 +120,25 @@ class DecisionHead:
         table[seg, col] = z
         return torch.softmax(table, dim=-1)[seg, col]  # [Q, Kmax] -> [O]
 
+    def pick_probabilities(self, hidden: torch.Tensor, owner: torch.Tensor, table_row: torch.Tensor,
+                           table_col: torch.Tensor, width: int) -> torch.Tensor:
+        """The head over every pick of a static-shape pass (a CUDA graph's; layout: `pick_layout`):
+        [P] fp32, each option pick's probability within its question (other picks: meaningless).
+        hidden [P, d]; owner [P]: the pick holding each pick's question's `<decide>`; table_row /
+        table_col [P]: an option's cell in the [1 + P, width] logit table (row 1 + its decide
+        pick, column its option index), every other pick's in row 0, outside every softmax.
+        The maths of `probabilities`, but the projections run on all P picks and each softmax over
+        `width` columns: a graph's shapes cannot follow the pass, so the low bits may differ from
+        the eager head's (each exact to fp32 rounding)."""
+        P = hidden.shape[0]
+        h = hidden.float()
+        q = tiled_linear(h, self.w_q, self.b_q)  # [P, R]: only the decide picks' rows are read
+        k = tiled_linear(h, self.w_k, self.b_k)  # [P, R]
+        z = (k * q[owner]).sum(-1) / math.sqrt(self.proj_dim) / self.temperature  # [P]
+        table = z.new_full((1 + P, width), -math.inf)
+        table[table_row, table_col] = z
+        return torch.softmax(table[1:], dim=-1)[(table_row - 1).clamp(min=0), table_col]
+
     def _logits(self, h_decide: torch.Tensor, h_opts: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
         # Fixed row tiles: a question's logits must not depend on how many share the pass (kev.ops.invariant).
         q = tiled_linear(h_decide.float(), self.w_q, self.b_q)  # [Q, d] @ [d, R] -> [Q, R]
@@ -151,6 +171,22 @@ def segments(option_counts: Sequence[int]) -> tuple[list[int], list[int]]:
     seg = [q for q, n in enumerate(option_counts) for _ in range(n)]
     col = [i for n in option_counts for i in range(n)]
     return seg, col
+
+
+def pick_layout(option_counts: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """Host ints of `DecisionHead.pick_probabilities`' layout for rows whose picks are [decide,
+    option ends...] each, in row order: (owner, table_row, table_col) per pick. Padding picks
+    after them take (0, 0, 0): row 0 is outside every softmax."""
+    owner, row, col = [], [], []
+    i = 0
+    for n in option_counts:
+        owner.extend(repeat(i, n + 1))
+        row.append(0)
+        row.extend(repeat(i + 1, n))
+        col.append(0)
+        col.extend(range(n))
+        i += n + 1
+    return owner, row, col
 
 
 def answer(question: Question, probs: Sequence[float] | torch.Tensor) -> Answer:

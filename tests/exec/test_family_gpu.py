@@ -9,6 +9,8 @@ and captures every state key, a scorer's builder every row key, small caps. Then
 - a served row pass replays its graph and equals, bit for bit, the gathered scorer's served row
   pass over the same bank (the load test's identity, at each size's heads), and is close to the
   eager pass;
+- the decision head inside the row graphs (`Passes.row_probabilities`) gives the gathered
+  scorer's probabilities bit for bit, close to the eager head over the eager pass;
 - nothing ran eagerly within the caps.
 """
 
@@ -23,6 +25,7 @@ from kev.exec.passes import PassBuilder, Passes
 from kev.exec.plan import GraphPlan, PassRole
 from kev.ops.gathered_ops import GatheredOps
 from kev.ops.triton_ops import TritonOps
+from kev.request.head import DecisionHead, pick_layout
 from random_models import random_model, tiny_config
 
 pytestmark = pytest.mark.gpu
@@ -58,11 +61,14 @@ def served(request, fast_autotune):
     docs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in DOC_LENS]
     handles = [bank.alloc(n) for n in DOC_LENS]
     bank_passes.state_pass(docs, handles)
-    kev = PassBuilder(model, TritonOps(), PassRole.ROWS, SCORER_PLAN).build(bank)
+    head = DecisionHead(*(torch.randn(shape, generator=g) * 0.05 for shape in ((256, cfg.hidden_size),) * 2),
+                        torch.randn(256, generator=g), None, 0.9).to("cuda")
+    kev = PassBuilder(model, TritonOps(), PassRole.ROWS, SCORER_PLAN, head=head, head_width=8).build(bank)
     # the gathered scorer's page buffer holds the longest document (KEV_GATHERED_MAX_PREFIX_TOKENS)
-    gathered = PassBuilder(model, GatheredOps(max_prefix_tokens=max(DOC_LENS)), PassRole.ROWS, SCORER_PLAN).build(bank)
+    gathered = PassBuilder(model, GatheredOps(max_prefix_tokens=max(DOC_LENS)), PassRole.ROWS, SCORER_PLAN,
+                           head=head, head_width=8).build(bank)
     return dict(size=request.param, cfg=cfg, model=model, bank=bank, docs=docs, handles=handles,
-                bank_passes=bank_passes, kev=kev, gathered=gathered)
+                bank_passes=bank_passes, kev=kev, gathered=gathered, head=head)
 
 
 def rows(served, n_rows, seed):
@@ -100,3 +106,20 @@ def test_served_rows_equal_the_gathered_scorer_bitwise(served, n_rows, seed):
     assert torch.isfinite(a.float()).all()
     assert torch.equal(a, b), f"{served['size']}: indexed != gathered, max {(a.float() - b.float()).abs().max()}"
     assert rel_err(kev.with_graphs(None).row_pass(rows(served, n_rows, seed)).float(), a.float()) <= 2e-2
+
+
+@pytest.mark.parametrize("n_rows,seed", [(3, 3), (8, 4)])
+def test_the_head_in_the_row_graph_equals_the_gathered_scorers(served, n_rows, seed):
+    kev, gathered, head = served["kev"], served["gathered"], served["head"]
+    counts = [2] * n_rows  # rows(): picks [decide, two option ends] each
+    replays = kev.graphs.stats.replays
+    a = kev.row_probabilities(rows(served, n_rows, seed), pick_layout(counts), 2).clone()
+    b = gathered.row_probabilities(rows(served, n_rows, seed), pick_layout(counts), 2).clone()
+    hidden = kev.with_graphs(None).row_pass(rows(served, n_rows, seed))
+    torch.cuda.synchronize()
+    assert kev.graphs.stats.replays == replays + 1 and kev.graphs.stats.eager == 0
+    assert torch.equal(a, b), f"{served['size']}: indexed != gathered head, max {(a - b).abs().max()}"
+    options = [3 * i + j for i in range(n_rows) for j in (1, 2)]
+    want = head.probabilities(hidden[0::3], hidden[options], counts)
+    assert (a[options] - want).abs().max() <= 2e-2, served["size"]  # bf16 passes of other shapes
+    assert torch.allclose(a[options].view(-1, 2).sum(-1), torch.ones(n_rows, device="cuda"), atol=1e-5)

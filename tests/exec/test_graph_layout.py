@@ -221,11 +221,13 @@ def test_best_prefix_cuts_a_full_pass_back_to_its_step():
 
 
 class FakeGraph:
-    def __init__(self, fn, out):
-        self.fn, self.out, self.replays, self.was_reset = fn, out, 0, False
+    def __init__(self, fn, outs):
+        self.fn, self.outs, self.replays, self.was_reset = fn, outs, 0, False
 
     def replay(self):
-        self.out.copy_(self.fn())
+        for out, new in zip(self.outs, self.fn()):  # (hidden, head probabilities or None)
+            if out is not None:
+                out.copy_(new)
         self.replays += 1
 
     def reset(self):
@@ -243,8 +245,8 @@ def fake_capture(monkeypatch):
                     s.meta.__dict__.pop("host", None)
             return self._forward(passes, entry)
 
-        out = forward()
-        return FakeGraph(forward, out), out
+        out, probs = forward()
+        return FakeGraph(forward, (out, probs)), out, probs
 
     monkeypatch.setattr(GraphCache, "_record", record)
 
@@ -278,6 +280,41 @@ def test_start_up_capture_then_replays(model, fake_capture):
     first, second = again.row_pass(b), again.row_pass(b)
     assert torch.equal(first, second) and again.graphs.stats.captures == 1 and again.graphs.stats.eager == 0
     assert len(again.graphs.pending) == len(keys) - 1
+
+
+def test_the_head_runs_inside_the_row_graph(model, fake_capture):
+    """With a head, a row key's graph ends in it (`Passes.row_probabilities`): each option's
+    probability equals the eager head's over the unpadded row pass, replay after replay (the head's
+    layout is refilled with the rows); a question wider than the table or a pass beyond the ladder
+    gets None (the caller's eager path)."""
+    from kev.request.head import DecisionHead, pick_layout
+
+    runner, docs, handles = stored(model, CpuTritonOps())
+    g = torch.Generator().manual_seed(5)
+    d, R = model.cfg.hidden_size, 16
+    head = DecisionHead(torch.randn(R, d, generator=g), torch.randn(R, d, generator=g), torch.randn(R, generator=g),
+                        None, 0.8)
+    graphed = runner.with_graphs(GraphCache(rows=KeyLadder(PassKind.ROWS, 256, 8), head=head, head_width=6))
+    for lens, counts in (((12, 30, 5, 70, 1), (3, 2, 1, 4, 1)), ((9, 40), (6, 2)), ((33, 8, 8), (2, 2, 5))):
+        rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in lens]
+        picks = [[n - 1] + [min(3 * j, n - 1) for j in range(c)] for n, c in zip(lens, counts)]
+        owner = [i % len(docs) for i in range(len(rows))]
+        batch = RowBatch.build(rows, [handles[o] for o in owner], [len(docs[o]) for o in owner], picks)
+        key = graphed.graphs.rows.key_for(lens)
+        graphed.graphs.capture(graphed, [key])
+        probs = graphed.row_probabilities(batch, pick_layout(counts), max(counts))
+        hidden = runner.row_pass(batch)
+        starts = [sum(len(p) for p in picks[:i]) for i in range(len(picks))]
+        decide = starts
+        options = [s + 1 + j for s, c in zip(starts, counts) for j in range(c)]
+        want = head.probabilities(hidden[decide], hidden[options], counts)
+        assert probs.shape == (hidden.shape[0],)
+        torch.testing.assert_close(probs[options], want, rtol=1e-5, atol=1e-6)
+    assert graphed.graphs.stats.replays == 3 and graphed.graphs.stats.eager == 0
+    assert graphed.row_probabilities(batch, pick_layout(counts), 7) is None  # wider than head_width
+    too_long = row_batch(docs, handles, lens=(200, 100))
+    assert graphed.row_probabilities(too_long, pick_layout([1, 1]), 1) is None
+    assert runner.row_probabilities(batch, pick_layout(counts), max(counts)) is None  # no graphs, no head
 
 
 def test_uncaptured_keys_run_eagerly_padded(model):

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from kev.request.api import ChoiceAnswer, NoulAnswer, Question, ScoreAnswer
 from kev.model.config import CheckpointError
-from kev.request.head import DecisionHead, answer, answers, load_head, save_head
+from kev.request.head import DecisionHead, answer, answers, load_head, pick_layout, save_head
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
@@ -61,6 +61,37 @@ def test_segment_softmax_over_a_batch():
     # A huge logit in question 0 neither overflows nor leaks into question 1.
     h_o[0, 0] = 1000.0
     torch.testing.assert_close(make_head().probabilities(h_d, h_o, [2, 3]), t([1.0, 0.0, 0.5, 0.25, 0.25]))
+
+
+def test_pick_layout_by_hand():
+    owner, row, col = pick_layout([2, 1, 3])
+    # picks: [d0 o o] [d1 o] [d2 o o o] at 0..8; decide picks go to row 0, options to 1 + their decide pick
+    assert owner == [0, 0, 0, 3, 3, 5, 5, 5, 5]
+    assert row == [0, 1, 1, 0, 4, 0, 6, 6, 6]
+    assert col == [0, 0, 1, 0, 0, 0, 0, 1, 2]
+    assert pick_layout([]) == ([], [], [])
+
+
+def test_pick_probabilities_equal_the_segment_softmax():
+    """The static-shape head (every pick projected, a fixed-width table, padding picks after the
+    real ones) gives each option the probability `probabilities` gives it, on random fp32 inputs."""
+    g = torch.Generator().manual_seed(0)
+    d, R = 24, 16
+    head = DecisionHead(torch.randn(R, d, generator=g), torch.randn(R, d, generator=g), torch.randn(R, generator=g),
+                        torch.randn(R, generator=g), 0.7)
+    counts = [3, 1, 5, 2]
+    owner, row, col = pick_layout(counts)
+    P, pad = len(owner), 7
+    hidden = torch.randn(P + pad, d, generator=g)
+    full = lambda xs: torch.tensor(xs + [0] * pad)  # noqa: E731  (padding picks: zeros, as a graph's fill)
+    got = head.pick_probabilities(hidden, full(owner), full(row), full(col), width=8)
+    decide = [i for i, r in enumerate(row) if r == 0]
+    options = [i for i, r in enumerate(row) if r > 0]
+    want = head.probabilities(hidden[decide], hidden[options], counts)
+    torch.testing.assert_close(got[options], want, rtol=1e-6, atol=1e-7)
+    hidden[P:] = 1e4  # what padding picks hold changes nothing real
+    torch.testing.assert_close(head.pick_probabilities(hidden, full(owner), full(row), full(col), width=8), got,
+                               rtol=0, atol=0)
 
 
 def test_single_option_and_bf16_inputs_run_in_fp32():

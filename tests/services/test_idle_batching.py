@@ -159,15 +159,15 @@ class HeldDevice:
 def device(monkeypatch):
     """Every row pass launched from here on is 'on the device' until the test finishes it (in order)."""
     held: list[HeldDevice] = []
-    real = batcher_module.start_answers
+    real = batcher_module.launch_rows
 
-    def start_answers(head, prepared, hidden):
-        pending = real(head, prepared, hidden)
+    def launch_rows(passes, head, prepared, batch):
+        pending = real(passes, head, prepared, batch)
         pending.ready = HeldDevice()
         held.append(pending.ready)
         return pending
 
-    monkeypatch.setattr(batcher_module, "start_answers", start_answers)
+    monkeypatch.setattr(batcher_module, "launch_rows", launch_rows)
     yield held
     for h in held:
         h.finish()
