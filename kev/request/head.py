@@ -210,9 +210,11 @@ def answer(question: Question, probs: Sequence[float] | torch.Tensor) -> Answer:
     return ScoreAnswer(score=expected, legend=tuple(names), probabilities=tuple(p), confidence=confidence)
 
 
-def answers(questions: Sequence[Question], probs: torch.Tensor, option_counts: Sequence[int]) -> list[Answer]:
-    """Answers of a pass: `probs` [O] from `DecisionHead.probabilities`; one device->host copy."""
-    flat = probs.tolist()
+def answers(questions: Sequence[Question], probs: torch.Tensor | Sequence[float],
+            option_counts: Sequence[int]) -> list[Answer]:
+    """Answers of a pass: `probs` [O] from `DecisionHead.probabilities` (a tensor: one device->host
+    copy) or the same floats already on the host."""
+    flat = probs.tolist() if isinstance(probs, torch.Tensor) else list(probs)
     out, start = [], 0
     for question, count in zip(questions, option_counts, strict=True):
         out.append(answer(question, flat[start : start + count]))

@@ -287,6 +287,10 @@ def test_the_head_runs_inside_the_row_graph(model, fake_capture):
     probability equals the eager head's over the unpadded row pass, replay after replay (the head's
     layout is refilled with the rows); a question wider than the table or a pass beyond the ladder
     gets None (the caller's eager path)."""
+    from types import SimpleNamespace
+
+    from kev.request.answers import launch_rows, start_answers
+    from kev.request.api import Question
     from kev.request.head import DecisionHead, pick_layout
 
     runner, docs, handles = stored(model, CpuTritonOps())
@@ -310,7 +314,18 @@ def test_the_head_runs_inside_the_row_graph(model, fake_capture):
         want = head.probabilities(hidden[decide], hidden[options], counts)
         assert probs.shape == (hidden.shape[0],)
         torch.testing.assert_close(probs[options], want, rtol=1e-5, atol=1e-6)
-    assert graphed.graphs.stats.replays == 3 and graphed.graphs.stats.eager == 0
+        # the scorer's path (`launch_rows`): the graph's head, read back into answers
+        prepared = [SimpleNamespace(rows=[SimpleNamespace(
+            name=f"r{i}", question=Question.choice("q", [f"o{j}" for j in range(c)]),
+            prompt=SimpleNamespace(option_end_indices=[0] * c)) for i, c in enumerate(counts)])]
+        got = launch_rows(graphed, head, prepared, batch).result()[0]
+        eager = start_answers(head, prepared, hidden).result()[0]
+        assert list(got) == list(eager)
+        for name in got:
+            assert got[name].choice == eager[name].choice
+            for o in got[name].probabilities:
+                assert abs(got[name].probabilities[o] - eager[name].probabilities[o]) <= 1e-5
+    assert graphed.graphs.stats.replays == 6 and graphed.graphs.stats.eager == 0
     assert graphed.row_probabilities(batch, pick_layout(counts), 7) is None  # wider than head_width
     too_long = row_batch(docs, handles, lens=(200, 100))
     assert graphed.row_probabilities(too_long, pick_layout([1, 1]), 1) is None
