@@ -386,7 +386,16 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
         "row_launch_share": {s: t / window_s if window_s > 0 else math.nan for s, t in steps.items()},
         "row_passes_by_path": {path: int(delta(f'kev_scorer_graph_passes_total{{path="{path}"}}'))
                                for path in ("replay", "eager_bucketed", "unbucketed")},
+        "row_padding_share": padding_share(delta, "scorer", "rows"),
     }
+
+
+def padding_share(delta, service: str, kind: str) -> float:
+    """The share of a service's keyed passes' tokens that were padding over the window (the CUDA-graph
+    keys' tokens ladder; NaN without CUDA graphs: nothing exported)."""
+    real = delta(f'kev_{service}_graph_real_tokens_total{{kind="{kind}"}}')
+    pad = delta(f'kev_{service}_graph_padding_tokens_total{{kind="{kind}"}}')
+    return pad / (real + pad) if real + pad else math.nan
 
 
 def bank_figures(before: dict | None, after: dict | None, window_s: float = math.nan) -> dict:
@@ -409,6 +418,7 @@ def bank_figures(before: dict | None, after: dict | None, window_s: float = math
         "state_pass_ms": pass_s / passes * 1e3 if passes else math.nan,
         "state_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
         "state_worker_share": {s: t / window_s if window_s > 0 else math.nan for s, t in steps.items()},
+        "state_padding_share": padding_share(delta, "bank", "state"),
         "new_document_acquire_ms": (delta('kev_bank_acquire_seconds_sum{cached="false"}') / acquires * 1e3
                                     if acquires else math.nan),
     }

@@ -20,8 +20,8 @@ from kev.v1 import scorer_pb2 as pb
 HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "error_messages",
             "bank_hit_ratio", "tokens_per_s", "matmul_tflops", "ceiling_fraction", "eager_passes_after_warmup",
             "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "row_pass_ms", "row_worker_busy",
-            "row_passes_by_path", "state_passes", "documents_per_state_pass", "state_pass_ms", "state_worker_busy",
-            "new_document_acquire_ms", "request_phase_ms", "peak_gpu_memory_gb", "requests", "elapsed_s")
+            "row_passes_by_path", "row_padding_share", "state_passes", "documents_per_state_pass", "state_pass_ms", "state_worker_busy",
+            "state_padding_share", "new_document_acquire_ms", "request_phase_ms", "peak_gpu_memory_gb", "requests", "elapsed_s")
 
 
 def sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float) -> list[dict[str, list[float]] | str]:

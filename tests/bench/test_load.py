@@ -9,6 +9,7 @@ model). Any error fails the run. The GPU comparison is bench/load_compare.py.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,7 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert launch == pytest.approx(run["row_worker_share"]["launch"], rel=0.02)
     assert steps["pass"] > 0 and 0 < steps["cpu"] <= launch * 1.02  # one thread's CPU time within its wall time
     assert sum(run["row_passes_by_path"].values()) == 0  # no CUDA graphs on a CPU: the counters are not exported
+    assert math.isnan(run["row_padding_share"]) and math.isnan(run["state_padding_share"])  # likewise
     assert run["state_passes"] > 0 and 1 <= run["documents_per_state_pass"] <= 8  # 8 clients, a new document each
     assert run["state_pass_ms"] > 0 and 0 < run["state_worker_busy"] <= 1.1
     bank = run["state_worker_share"]
