@@ -9,7 +9,6 @@ model). Any error fails the run. The GPU comparison is bench/load_compare.py.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -87,7 +86,7 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert launch == pytest.approx(run["row_worker_share"]["launch"], rel=0.02)
     assert steps["pass"] > 0 and 0 < steps["cpu"] <= launch * 1.02  # one thread's CPU time within its wall time
     assert sum(run["row_passes_by_path"].values()) == 0  # no CUDA graphs on a CPU: the counters are not exported
-    assert math.isnan(run["row_padding_share"]) and math.isnan(run["state_padding_share"])  # likewise
+    assert run["row_padding_share"] is None and run["state_padding_share"] is None  # likewise (NaN: JSON null)
     assert run["state_passes"] > 0 and 1 <= run["documents_per_state_pass"] <= 8  # 8 clients, a new document each
     assert run["state_pass_ms"] > 0 and 0 < run["state_worker_busy"] <= 1.1
     bank = run["state_worker_share"]
@@ -422,3 +421,10 @@ def test_two_calls_merge_into_one_results_file(tmp_path):
         load_merge.merge(first, {**second, "commit": "other"})
     with pytest.raises(ValueError, match="no complete gathered run"):
         load_merge.merge(first, first)
+
+
+def test_padding_share_is_the_windows_padding_over_its_keyed_tokens():
+    real, pad = 'kev_bank_graph_real_tokens_total{kind="state"}', 'kev_bank_graph_padding_tokens_total{kind="state"}'
+    before, after = {real: 100.0, pad: 10.0}, {real: 1000.0, pad: 110.0}
+    assert load.padding_share(lambda n: after.get(n, 0.0) - before.get(n, 0.0), "bank", "state") == 0.1
+    assert load.padding_share(lambda n: 0.0, "scorer", "rows") != load.padding_share(lambda n: 0.0, "scorer", "rows")
