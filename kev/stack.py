@@ -212,9 +212,14 @@ class Stack:
             self.add_scorer(self.scorer_port, wait=False)
             self.bank.wait_serving(self.start_timeout_s)
             self.scorers[0].wait_serving(self.start_timeout_s)
-        except BaseException:
+        except BaseException as e:
             if follower is not None:
                 follower.stop()
+            if not isinstance(e, StackError):  # interrupted (a signal, a time limit): where each service was
+                for proc in (self.bank, *self.scorers):
+                    if proc is not None:
+                        print(f"--- {proc.name} log tail (start-up interrupted) ---\n{proc.log_tail()}",
+                              file=sys.stderr, flush=True)
             self.stop()
             raise
         if follower is not None:

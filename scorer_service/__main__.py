@@ -18,7 +18,7 @@ import torch
 
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
-from kev.serving.errors import ServiceError
+from kev.serving.errors import DeadlineExceeded, Exhausted, ServiceError, Unavailable
 from kev.serving.grpc_server import ListenError
 from kev.serving.settings import log_settings
 from kev.ops import get_ops
@@ -37,17 +37,34 @@ log = logging.getLogger("scorer_service")
 GRACE_S = 50.0  # under Kubernetes' default 60 s (preStop sleeps 10 s first)
 
 
+WARM_UP_TRIES = 3  # a warm-up request that fails this often in a row, with the bank answering, ends the start-up
+
+
+class StartupFailed(Exception):
+    """The bank answers but the warm-up request keeps failing on the scorer's own path: a fault to
+    report (exit 1, the error in the log), not a bank to wait for."""
+
+
 def attach_until_ready(service: ScorerService, stop: threading.Event) -> bool:
-    """Attach and warm up, retried until the bank answers (or a stop signal)."""
-    waited = 0.0
+    """Attach and warm up, retried while the bank is not there yet (UNAVAILABLE, a deadline, a full
+    bank), until it answers or a stop signal. Any other error of the warm-up request (a failed row
+    pass, the bank's INTERNAL) is retried WARM_UP_TRIES times, then raises StartupFailed: retried
+    for good, a broken scorer would only look like a bank still starting (as f6adb2a's did)."""
+    waited, failures = 0.0, 0
     while not stop.is_set():
         try:
             service.link.attachment()
             service.warm_up()
             return True
-        except ServiceError as e:
+        except (Unavailable, DeadlineExceeded, Exhausted) as e:
+            failures = 0
             if waited % 10 < 0.5:
                 log.warning("bank not attachable yet (%s); retrying", e)
+        except ServiceError as e:
+            failures += 1
+            log.error("start-up warm-up request failed (%d of %d): %s", failures, WARM_UP_TRIES, e)
+            if failures >= WARM_UP_TRIES:
+                raise StartupFailed(f"the warm-up request failed {failures} times: {e}") from e
         stop.wait(0.5)
         waited += 0.5
     return False
@@ -107,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     log.info("start-up: attaching to the bank at %s", config.bank_addr)
-    if attach_until_ready(service, stop):
+    failed = False
+    try:
+        ready = attach_until_ready(service, stop)
+    except StartupFailed as e:
+        log.error("start-up failed: %s", e)
+        ready, failed = False, True
+    if ready:
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
         server.set_serving(True)
         log.info("serving (ready after %.1f s; %d start-up objects frozen out of GC scans)",
@@ -123,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics.close()
     log.info("stopped; pins still held: %d", link.pins_held)
     link.close()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

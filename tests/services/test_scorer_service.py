@@ -215,3 +215,31 @@ def test_64_clients_for_30_seconds(checkpoint):
         print(f"\n64 clients: {done[0]} requests in {elapsed:.1f} s ({done[0] / elapsed:.1f}/s), "
               f"bank hits {final.hits} misses {final.misses} evictions {final.evictions}, "
               f"max slots used {max(s for s, _ in occupancy)}/{total.slots_total}")
+
+
+def test_start_up_waits_for_the_bank_but_not_for_a_broken_warm_up():
+    """`attach_until_ready`: UNAVAILABLE (no bank yet) is waited out until the stop signal; a warm-up
+    request that fails on the scorer's own path ends the start-up after WARM_UP_TRIES, with the
+    error (the process then exits 1), instead of looking like a bank still starting."""
+    import threading
+    from types import SimpleNamespace
+
+    from kev.serving.errors import ServiceError, Unavailable
+    from scorer_service.__main__ import WARM_UP_TRIES, StartupFailed, attach_until_ready
+
+    calls = []
+
+    def service(error):
+        def warm_up():
+            calls.append(error)
+            raise error
+        return SimpleNamespace(link=SimpleNamespace(attachment=lambda: None), warm_up=warm_up)
+
+    stop = threading.Event()
+    threading.Timer(1.2, stop.set).start()
+    assert attach_until_ready(service(Unavailable("bank unreachable")), stop) is False  # stopped while waiting
+    assert len(calls) >= 2
+    calls.clear()
+    with pytest.raises(StartupFailed, match="row pass failed: boom"):
+        attach_until_ready(service(ServiceError("row pass failed: boom")), threading.Event())
+    assert len(calls) == WARM_UP_TRIES

@@ -98,6 +98,24 @@ def test_stack_without_redis_server_says_so(checkpoint, monkeypatch, tmp_path):
         Stack(checkpoint).start()
 
 
+def test_a_start_up_cut_short_says_where_each_service_was(checkpoint):
+    """A time limit's SIGTERM while the services start (load_compare turns it into SystemExit) stops
+    the stack and prints each service's log tail first: the services' logs go with the stack's
+    folder, and a start-up that hangs would otherwise leave no word of why."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)); "
+            f"from kev.stack import Stack; Stack({str(checkpoint)!r}).start()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # the bank is loading; the scorer waits for it
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "--- bank log tail (start-up interrupted) ---" in err and "--- scorer" in err, err[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # faults
 
