@@ -13,10 +13,8 @@
 # On the device machine, from the repository root, carrying .whl .whl_load .redis_carry
 # (bench/device/device_carry.sh builds them), and .triton_carry when there is one:
 #     KEV_COMMIT=<sha> bash bench/device/load_check.sh six-short [LIMIT_S] [more load_compare flags...]
-# KEV_MPS=1 runs the services as clients of an MPS daemon started here (pipe and log under /tmp,
-# stopped at the end): the bank's and the scorer's kernels then share the GPU at once instead of
-# taking turns in time slices. The results record which (`gpu_sharing`); a daemon that does not
-# come up fails the call rather than measuring the other mode under its name.
+# KEV_MPS=1 runs the services as clients of an MPS daemon started here, as deployed
+# (bench/device/gpu_sharing.sh); the results record which (`gpu_sharing`).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -32,17 +30,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
 source bench/device/triton_cache.sh
 triton_cache_restore
-export KEV_GPU_SHARING=time-sliced
-if [ "${KEV_MPS:-0}" = 1 ]; then
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d || { echo "MPS daemon did not start"; exit 1; }
-    trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" \
-        || { echo "no CUDA context through MPS"; cat "$CUDA_MPS_LOG_DIRECTORY"/*.log; exit 1; }
-    KEV_GPU_SHARING=mps
-fi
-echo "GPU sharing between the services: $KEV_GPU_SHARING"
+source bench/device/gpu_sharing.sh
+gpu_sharing_start
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
 sampler=$!
 # No plots under $OUT: the device tool returns 8 files, and four workloads' JSONs, the log, the CSV and

@@ -8,7 +8,7 @@
 # overridden, by PYTHONPATH) and load_compare.log.
 #
 # On the device machine, from the repository root, carrying .whl .whl_load .redis_carry (and .triton_carry):
-#     KEV_COMMIT=<sha> bash bench/device/load_profile.sh six-short [LIMIT_S]
+#     [KEV_MPS=1] KEV_COMMIT=<sha> bash bench/device/load_profile.sh six-short [LIMIT_S]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -19,7 +19,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
 source bench/device/triton_cache.sh
 triton_cache_restore
-export LOAD_PROFILE_DIR=/tmp/kev_profile KEV_GPU_SHARING=time-sliced
+source bench/device/gpu_sharing.sh
+gpu_sharing_start  # KEV_MPS=1: as deployed (the kernels of both services then overlap in the profiles)
+export LOAD_PROFILE_DIR=/tmp/kev_profile
 rm -rf "$LOAD_PROFILE_DIR"
 site="PYTHONPATH=$PWD/bench/device/profile_site:$PYTHONPATH"
 timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workload" --systems kev --sweep 64 \

@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.relative_to(ROOT) for pattern in ("*/*.sh", "*/*/*.sh") for p in ROOT.glob(pattern)
                  if not {".venv", ".git", "runs"} & set(p.relative_to(ROOT).parts))
-DEVICE = ("gpu_check.sh", "load_check.sh", "load_ab.sh", "triton_cache.sh", "device_carry.sh")
+DEVICE = ("gpu_check.sh", "load_check.sh", "load_ab.sh", "load_profile.sh", "triton_cache.sh", "gpu_sharing.sh",
+          "device_carry.sh")
 
 
 def test_the_scripts_are_found():
@@ -34,6 +35,16 @@ def test_device_scripts_name_their_new_paths():
         assert not old, f"{name} still names {old}"
     # the device tool returns 8 files: a four-workload call's JSONs, log, CSV and cache parts, no plots
     assert '--png-dir "$OUT"' not in (ROOT / "bench/device/load_check.sh").read_text()
+
+
+def test_gpu_sharing_is_time_sliced_unless_mps_is_asked_for(monkeypatch):
+    """Without KEV_MPS the helper starts nothing and records time slicing, for both load scripts."""
+    monkeypatch.delenv("KEV_MPS", raising=False)
+    out = subprocess.run(["bash", "-c", "source bench/device/gpu_sharing.sh && gpu_sharing_start && "
+                          "echo \"recorded $KEV_GPU_SHARING\""], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "recorded time-sliced", out
+    for name in ("load_check.sh", "load_profile.sh"):
+        assert "gpu_sharing_start" in (ROOT / "bench/device" / name).read_text(), name
 
 
 def test_results_keep_plain_names():
