@@ -14,7 +14,7 @@
 # (bench/device/device_carry.sh builds them), and .triton_carry when there is one:
 #     KEV_COMMIT=<sha> bash bench/device/load_check.sh six-short [LIMIT_S] [more load_compare flags...]
 # KEV_MPS=1 runs the services as clients of an MPS daemon started here, as deployed
-# (bench/device/gpu_sharing.sh); the results record which (`gpu_sharing`).
+# (bench/device/load_env.sh); the results record which (`gpu_sharing`).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -25,13 +25,8 @@ shift $(( $# < 2 ? $# : 2 ))
 # service) and the cache is packed: 12be09f's five-long run at 575 came back without its cache, and
 # cb9932f's longdoc run at 560 (a 176 MB cache, three services to stop) with nothing but its JSON.
 if [ "$limit" -gt 520 ]; then echo "limit $limit s capped at 520"; limit=520; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl .whl_load/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
-source bench/device/triton_cache.sh
-triton_cache_restore
-source bench/device/gpu_sharing.sh
-gpu_sharing_start
+source bench/device/load_env.sh
+load_env
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
 sampler=$!
 # No plots under $OUT: the device tool returns 8 files, and four workloads' JSONs, the log, the CSV and

@@ -14,13 +14,8 @@ cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
 workload=${1:-six-short}
 limit=${2:-400}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl .whl_load/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PATH="$PWD/.redis_carry:$PATH" PYTHONUNBUFFERED=1 KEV_COMMIT="${KEV_COMMIT:-unknown}"
-source bench/device/triton_cache.sh
-triton_cache_restore
-source bench/device/gpu_sharing.sh
-gpu_sharing_start  # KEV_MPS=1: as deployed (the kernels of both services then overlap in the profiles)
+source bench/device/load_env.sh
+load_env  # KEV_MPS=1: as deployed (the kernels of both services then overlap in the profiles)
 export LOAD_PROFILE_DIR=/tmp/kev_profile
 rm -rf "$LOAD_PROFILE_DIR"
 site="PYTHONPATH=$PWD/bench/device/profile_site:$PYTHONPATH"

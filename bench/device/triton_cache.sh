@@ -1,5 +1,5 @@
 # Triton's compile cache carried between the device calls of one session; sourced by
-# bench/device/gpu_check.sh and bench/device/load_check.sh. A call packs the cache into $OUT at its end (xz, in
+# bench/device/gpu_check.sh and bench/device/load_env.sh (the load drivers). A call packs the cache into $OUT at its end (xz, in
 # parts of 15 MB); copied to .triton_carry/ here and carried, it spares the next call its kernel
 # compiles (a cold GPU-test run took 382 s, one after the configs were compiled 263 s). Autotuning
 # runs at every start either way.

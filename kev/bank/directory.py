@@ -150,10 +150,11 @@ class Directory:
     def _prefix(self, node: str) -> str:
         return f"kev:{{{self.model_id}@{node}}}:"
 
-    def _run(self, script: Script, *args: object, prefix: str | None = None) -> object:
+    def _run(self, script: Script, *args: object, prefix: str | None = None, client=None) -> object:
+        """`script` on this namespace; `client`: a pipeline to queue it on (its reply comes with the batch)."""
         prefix = self.prefix if prefix is None else prefix
         with _translate_errors():
-            return script(keys=[prefix + "lru"], args=[prefix, *args])
+            return script(keys=[prefix + "lru"], args=[prefix, *args], client=client)
 
     def _check_doc_key(self, doc_key: str) -> None:
         if not doc_key.startswith(self.model_id + ":"):
@@ -209,7 +210,7 @@ class Directory:
         with _translate_errors():
             pipe = self.client.pipeline(transaction=False)
             for _, _, args in calls:
-                self._register(keys=[self.prefix + "lru"], args=[self.prefix, *args], client=pipe)
+                self._run(self._register, *args, client=pipe)
             replies = pipe.execute(raise_on_error=False)
         out: list[Lease | None | DirectoryConflict] = []
         for (r, lease_id, _), reply in zip(calls, replies, strict=True):

@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.relative_to(ROOT) for pattern in ("*/*.sh", "*/*/*.sh") for p in ROOT.glob(pattern)
                  if not {".venv", ".git", "runs"} & set(p.relative_to(ROOT).parts))
-DEVICE = ("gpu_check.sh", "load_check.sh", "load_ab.sh", "load_profile.sh", "triton_cache.sh", "gpu_sharing.sh",
+DEVICE = ("gpu_check.sh", "load_check.sh", "load_ab.sh", "load_profile.sh", "triton_cache.sh", "load_env.sh",
           "device_carry.sh")
 
 
@@ -40,11 +40,12 @@ def test_device_scripts_name_their_new_paths():
 def test_gpu_sharing_is_time_sliced_unless_mps_is_asked_for(monkeypatch):
     """Without KEV_MPS the helper starts nothing and records time slicing, for both load scripts."""
     monkeypatch.delenv("KEV_MPS", raising=False)
-    out = subprocess.run(["bash", "-c", "source bench/device/gpu_sharing.sh && gpu_sharing_start && "
+    out = subprocess.run(["bash", "-c", "source bench/device/load_env.sh && gpu_sharing_start && "
                           "echo \"recorded $KEV_GPU_SHARING\""], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "recorded time-sliced", out
     for name in ("load_check.sh", "load_profile.sh"):
-        assert "gpu_sharing_start" in (ROOT / "bench/device" / name).read_text(), name
+        assert "source bench/device/load_env.sh\nload_env" in (ROOT / "bench/device" / name).read_text(), name
+    assert "    gpu_sharing_start\n}" in (ROOT / "bench/device/load_env.sh").read_text()
 
 
 def test_results_keep_plain_names():
