@@ -8,12 +8,14 @@
     worker thread: takes what is queued at once (it waits for each pass, so it is free only when
     its device is idle: documents that arrive during a pass share the next one, and a document
     that finds the bank idle waits for no window; on CUDA a pass that fits a
-    graph bucket takes no document that would make it fit none), allocates a slot per new
-    document (evicting LRU unpinned entries when full; with every entry pinned the document goes
+    graph bucket takes no document that would make it fit none), up to the pass's token cap: the
+    document that crosses it gives what fits (whole delta-rule chunks) and the rest waits at the
+    queue's front, as does a document longer than a chunk after each chunk; allocates a slot per new
+    document at its first piece (evicting LRU unpinned entries when full; with every entry pinned the document goes
     back to the queue's front and is retried every SPACE_RETRY_S until full_wait after its arrival,
     as the requests holding the pins finish), runs ONE state pass for the batch,
     waits for the GPU to finish it (a scorer reads the states from its own process), then
-    registers each entry READY with a pin per waiter (register(..., pin_lease_s)).
+    registers each finished entry READY with a pin per waiter (register(..., pin_lease_s)).
     Idle (nothing queued), it captures one queued CUDA graph at a time (kev/exec/passes.py; CUDA only).
 
 One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
@@ -37,7 +39,7 @@ from kev.exec.passes import Passes
 
 from kev.serving.errors import DeadlineExceeded, Exhausted, Internal, ServiceError, Unavailable
 
-from bank_service.jobs import Acquired, Job, LiveEntry, Waiter
+from bank_service.jobs import Acquired, Job, LiveEntry, Piece, Waiter
 from bank_service.metrics import BankMetrics
 
 log = logging.getLogger(__name__)
@@ -194,28 +196,37 @@ class Acquirer:
                 for job in batch:
                     self._fail(job, Internal(f"bank worker error: {e}"))
 
-    def _take_batch(self) -> list[Job]:
-        """Called with _cv held: the next pass's jobs, taken at once (no pass is in flight when the
+    def _take_batch(self) -> list[Piece]:
+        """Called with _cv held: the next pass's pieces, taken at once (no pass is in flight when the
         worker comes here, so waiting for companions would only add latency), up to the pass caps
-        (always at least one, however long)."""
-        batch = [self._queue.popleft()]
-        tokens = len(batch[0].tokens)
-        while self._queue and len(batch) < self.max_pass_documents \
-                and tokens + len(self._queue[0].tokens) <= self.max_pass_tokens:
-            lens = [len(j.tokens) for j in batch]
-            if self.passes.state_keyed(lens) and not self.passes.state_keyed(lens + [len(self._queue[0].tokens)]):
-                break  # the next document would push a graphed pass off the CUDA graphs (docs/decisions.md)
-            job = self._queue.popleft()
-            batch.append(job)
-            tokens += len(job.tokens)
-        if self._queue and len(batch) > 1:  # more wait: fit this pass to its graph key, the rest go next
-            keep = self.passes.documents_to_take([len(j.tokens) for j in batch])
-            self._queue.extendleft(reversed(batch[keep:]))
-            batch = batch[:keep]
+        (always at least one). A document that does not fit whole gives the pass what fits of it
+        (`Passes.piece_tokens`) and the rest goes in the next pass, so a bank with more queued than
+        a pass holds runs full passes, padded to no graph key; so does a document longer than a chunk,
+        one chunk a pass, beside others. Every job taken leaves the queue; one not finished by its
+        piece goes back to its front after the pass (`_requeue`)."""
+        pieces: list[Piece] = []
+        tokens = 0
+        while self._queue and len(pieces) < self.max_pass_documents:
+            job = self._queue[0]
+            n = self.passes.piece_tokens(len(job.tokens) - job.done, self.max_pass_tokens - tokens)
+            if n == 0 and pieces:
+                break  # the pass is full
+            n = n or min(len(job.tokens) - job.done, self.passes.state_chunk_tokens)  # a pass takes one at least
+            lens = [p.end - p.start for p in pieces]
+            if pieces and self.passes.state_keyed(lens) and not self.passes.state_keyed(lens + [n]):
+                break  # it would push a graphed pass off the CUDA graphs (docs/decisions.md)
+            self._queue.popleft()
+            pieces.append(Piece(job, job.done, job.done + n))
+            tokens += n
+        if self._queue and len(pieces) > 1 and all(p.last for p in pieces):
+            # more wait and the pass holds whole documents: fit it to its graph key, the rest go next
+            keep = self.passes.documents_to_take([p.end - p.start for p in pieces])
+            self._queue.extendleft(reversed([p.job for p in pieces[keep:]]))
+            pieces = pieces[:keep]
         self.metrics.queue_depth.set(len(self._queue))
-        return batch
+        return pieces
 
-    def _process(self, batch: list[Job], reconcile: bool) -> None:
+    def _process(self, batch: list[Piece], reconcile: bool) -> None:
         directory_start = time.perf_counter()
         try:
             self._ensure_epoch()
@@ -224,39 +235,43 @@ class Acquirer:
         except DirectoryUnavailable as e:
             if batch:
                 log.warning("directory unavailable: %s", e)
-            for job in batch:
-                self._fail(job, Unavailable(str(e)))
+            for piece in batch:
+                self._fail(piece.job, Unavailable(str(e)))
             return
-        passes: list[tuple[Job, BankHandle]] = []
+        run: list[Piece] = []
         full: list[Job] = []
-        for i, job in enumerate(batch):
-            with self._lock:
-                live = self._live.get(job.doc_key)
-            if live is not None:  # state-passed since this Acquire's look-up: pin it
-                self._finish([(job, live, False)])
-                continue
-            try:
-                handle = self._alloc(len(job.tokens), wanted=len(batch) - i)
-                self.bank.bind(handle, key_fingerprint(job.doc_key))  # before anyone hears of the slot
-                passes.append((job, handle))
-            except BankFull:
-                full.append(job)
-            except DirectoryUnavailable as e:
-                self._fail(job, Unavailable(str(e)))
+        for i, piece in enumerate(batch):
+            job = piece.job
+            if job.handle is None:  # its first piece
+                with self._lock:
+                    live = self._live.get(job.doc_key)
+                if live is not None:  # state-passed since this Acquire's look-up: pin it
+                    self._finish([(job, live, False)])
+                    continue
+                try:
+                    handle = self._alloc(len(job.tokens), wanted=len(batch) - i)
+                    self.bank.bind(handle, key_fingerprint(job.doc_key))  # before anyone hears of the slot
+                    job.handle = handle
+                except BankFull:
+                    full.append(job)
+                    continue
+                except DirectoryUnavailable as e:
+                    self._fail(job, Unavailable(str(e)))
+                    continue
+            run.append(piece)
         self._hold_for_space(full)
-        if not passes:
+        if not run:
             return
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.metrics.state_pass_steps.labels(step="directory").inc(start - directory_start)
         try:
-            self.passes.state_pass([j.tokens for j, _ in passes], [h for _, h in passes])
+            self.passes.state_pass([p.tokens for p in run], [p.job.handle for p in run], [p.start for p in run])
             launched, cpu = time.perf_counter(), time.thread_time() - cpu_start
             self.passes.synchronize()  # the states are on the GPU before any scorer hears of them
         except Exception as e:
             log.exception("state pass failed")
-            for job, handle in passes:
-                self.bank.free(handle)
-                self._fail(job, Internal(f"state pass failed: {e}"))
+            for piece in run:
+                self._fail(piece.job, Internal(f"state pass failed: {e}"))  # gives its slot back
             return
         m, end = self.metrics, time.perf_counter()
         m.state_pass_seconds.observe(end - start)
@@ -264,10 +279,27 @@ class Acquirer:
         m.state_pass_steps.labels(step="device_wait").inc(end - launched)
         m.state_pass_cpu_seconds.inc(cpu)
         m.state_passes.inc()
-        m.state_pass_documents.inc(len(passes))
-        m.state_pass_tokens.inc(sum(len(j.tokens) for j, _ in passes))
-        self._finish([(job, LiveEntry(handle, len(job.tokens)), True) for job, handle in passes])
+        m.state_pass_documents.inc(len(run))
+        m.state_pass_tokens.inc(sum(p.end - p.start for p in run))
+        for piece in run:
+            piece.job.done = piece.end
+        self._requeue([p.job for p in run if not p.last])
+        self._finish([(p.job, LiveEntry(p.job.handle, len(p.job.tokens)), True) for p in run if p.last])
         m.state_pass_steps.labels(step="directory").inc(time.perf_counter() - end)
+
+    def _requeue(self, jobs: list[Job]) -> None:
+        """Documents part-way through go back to the queue's front, in order, for their next piece;
+        one whose callers have all gone gives its slot back instead (nobody would read it)."""
+        if not jobs:
+            return
+        self.metrics.split_documents.inc(len(jobs))
+        with self._cv:  # the check and the drop under one lock: no caller joins in between
+            keep = [job for job in jobs if not all(w.abandoned for w in job.waiters)]
+            self._queue.extendleft(reversed(keep))
+            self.metrics.queue_depth.set(len(self._queue))
+        for job in jobs:
+            if job not in keep:
+                self._fail(job, DeadlineExceeded("every caller gave up"))
 
     def _hold_for_space(self, jobs: list[Job]) -> None:
         """Documents that found every entry pinned go back to the queue's front, in order, to be
@@ -328,6 +360,7 @@ class Acquirer:
         with self._cv:
             for job, entry, new in done:
                 waiters, job.waiters = job.waiters, []
+                job.handle = None  # the slot is the entry's now, not a part-read job's
                 self._pending.pop(job.doc_key, None)
                 plan.append((job, entry, new, [w for w in waiters if not w.abandoned]))
         with self._lock:
@@ -385,6 +418,9 @@ class Acquirer:
             waiters = job.waiters
             job.waiters = []
             self._pending.pop(job.doc_key, None)
+        if job.handle is not None:  # read part-way (or the pass failed): nobody has heard of the slot
+            self.bank.free(job.handle)
+            job.handle = None
         for waiter in waiters:
             waiter.fail(error)
 

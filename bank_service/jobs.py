@@ -70,3 +70,24 @@ class Job:
     enqueued: float
     waiters: list[Waiter] = field(default_factory=list)
     waited_for_space: bool = False  # found every entry pinned at least once (counted once)
+    # A document read over several passes: its slot from its first piece on, and how many of its
+    # tokens are in it (nobody hears of the slot until the last piece is in).
+    handle: BankHandle | None = None
+    done: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one state pass reads of a job's document: tokens [start, end)."""
+
+    job: Job
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.job.tokens[self.start : self.end]
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.job.tokens)

@@ -24,6 +24,8 @@ class BankMetrics:
         self.state_passes = Counter("kev_bank_state_passes", "State passes run (one per batch)", registry=r)
         self.state_pass_documents = Counter("kev_bank_state_pass_documents", "Documents state-passed", registry=r)
         self.state_pass_tokens = Counter("kev_bank_state_pass_tokens", "Document tokens state-passed", registry=r)
+        self.split_documents = Counter("kev_bank_split_documents",
+                                       "State-pass pieces that left their document for a later pass", registry=r)
         # A state pass's wall time by step: launch (fill + replay queued), device_wait (until the GPU
         # is done), directory (the worker's Redis work around the pass: epoch check, evictions,
         # registrations; not in the pass's own seconds); and the worker's CPU time in launches

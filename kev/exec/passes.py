@@ -43,7 +43,7 @@ from kev.exec.batch import RowBatch
 from kev.exec.graphs import CapturePolicy, GraphCache, GraphStats, KeyLadder, PickHead
 from kev.exec.memory import state_pass_peak_bytes
 from kev.exec.plan import GraphPlan, PassRole
-from kev.exec.static_pass import GraphKey, PassKind
+from kev.exec.static_pass import CHUNK, GraphKey, PassKind
 from kev.exec.transfer import host_int64, to_device
 from kev.exec.warm_up import warm_up
 from kev.model.qwen35 import Qwen35Model
@@ -76,10 +76,18 @@ class Passes:
     # ---- the three passes ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle]) -> None:
-        """Write each document's final states into its (already allocated) slot, in place."""
+    def state_pass(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
+                   starts: Sequence[int] | None = None) -> None:
+        """Write each document's states into its (already allocated) slot, in place. `starts`: where
+        each of `documents` begins in its slot's document (default 0: a new document); a part
+        starting later continues the states an earlier pass left in the slot (the bank splits a
+        document across passes: bank_service/acquire.py). A part that does not end its document
+        should end on a multiple of `SPLIT_ALIGN` tokens (`split_point`)."""
         for h in handles:
             self.bank.check(h)
+        starts = [0] * len(documents) if starts is None else list(starts)
+        if len(starts) != len(documents):
+            raise ValueError(f"{len(starts)} starts for {len(documents)} documents")
         done = 0
         longest = max((len(d) for d in documents), default=0)
         while done < longest:
@@ -87,12 +95,13 @@ class Passes:
             live = [i for i, d in enumerate(documents) if len(d) > done]
             chunks = [documents[i][done : done + self.state_chunk_tokens] for i in live]
             slots = [handles[i].slot for i in live]
+            at = [starts[i] + done for i in live]
             key = self.graphs.state_key([len(c) for c in chunks]) if self.graphs is not None else None
             if key is not None:
-                self.graphs.run_state(self, key, chunks, slots, [done] * len(chunks))
+                self.graphs.run_state(self, key, chunks, slots, at)
             else:
                 self._count_unbucketed()
-                self._eager_chunk(chunks, slots, done)
+                self._eager_chunk(chunks, slots, at)
             done += self.state_chunk_tokens
 
     @torch.no_grad()
@@ -158,6 +167,14 @@ class Passes:
         return all(self.graphs.state_key([min(n - done, chunk) for n in lens if n > done]) is not None
                    for done in range(0, max(lens, default=0), chunk))
 
+    def piece_tokens(self, left: int, room: int) -> int:
+        """How much of a document with `left` tokens still to read goes into a state pass with `room`
+        tokens free: all of it, or the most that fits of its next chunk (`state_chunk_tokens`), cut
+        back to a whole number of delta-rule chunks (`CHUNK`) so the document's chunks fall where one
+        pass would put them and its pages fill from their start. 0: not even one chunk fits."""
+        n = min(left, room, self.state_chunk_tokens)
+        return n if n == left else n - n % CHUNK
+
     def rows_to_take(self, row_lens: Sequence[int]) -> int:
         """Of a full row pass with more rows waiting, how many leading rows to run now
         (`KeyLadder.best_prefix`: the rest go in the next pass rather than pad this one)."""
@@ -217,32 +234,32 @@ class Passes:
         with self.tuned(batch.shape_class):
             return self.model(batch.tokens, self.row_meta(batch), self.bank.pools, self.ops, picks=batch.picks)
 
-    def _eager_chunk(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], done: int) -> None:
-        tokens, meta = self._chunk_pass(slots, chunks, done)
+    def _eager_chunk(self, chunks: Sequence[Sequence[int]], slots: Sequence[int], starts: Sequence[int]) -> None:
+        tokens, meta = self._chunk_pass(slots, chunks, starts)
         with self.tuned(meta.shape_class):
             self.model(tokens, meta, self.bank.pools, self.ops, picks=torch.zeros(0, dtype=torch.int64, device=self.device))
 
     def _eager_sweep(self, documents: Sequence[Sequence[int]], handles: Sequence[BankHandle],
                      batch: RowBatch) -> torch.Tensor:
-        doc_tokens, doc_meta = self._chunk_pass([h.slot for h in handles], documents, 0)
+        doc_tokens, doc_meta = self._chunk_pass([h.slot for h in handles], documents, [0] * len(documents))
         Td = doc_tokens.shape[0]
         meta = PhasedMeta((doc_meta, self.row_meta(batch)), (Td, batch.tokens.shape[0]))
         with self.tuned(doc_meta.shape_class):
             return self.model(torch.cat([doc_tokens, batch.tokens]), meta, self.bank.pools, self.ops,
                               picks=batch.picks + Td, mixer_scope=self.phase_scope)
 
-    def _chunk_pass(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], done: int):
-        """(tokens, meta) of one state pass: chunk n continues slot n's first `done` tokens (0: new)."""
+    def _chunk_pass(self, slots: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int]):
+        """(tokens, meta) of one state pass: chunk n continues slot n's first `starts[n]` tokens (0: new)."""
         lens = [len(c) for c in chunks]
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        parts = ([t for c in chunks for t in c], cu, list(slots), host_positions(lens, [done] * len(lens)))
+        read = [slot if start > 0 else -1 for slot, start in zip(slots, starts)]
+        parts = ([t for c in chunks for t in c], cu, list(slots), read, list(starts), host_positions(lens, list(starts)))
         # One host block, one copy that does not wait for the GPU (kev/exec/transfer.py); the fields are views.
         block = to_device(host_int64(v for part in parts for v in part), self.device)
-        tokens, cu_t, slot_t, positions = block.split([len(p) for p in parts])
-        meta = PassMeta(cu_seqlens=cu_t, read_slots=slot_t if done > 0 else torch.full_like(slot_t, -1),
-                        write_slots=slot_t, prefix_lens=torch.full_like(slot_t, done),
+        tokens, cu_t, slot_t, read_t, prefix_t, positions = block.split([len(p) for p in parts])
+        meta = PassMeta(cu_seqlens=cu_t, read_slots=read_t, write_slots=slot_t, prefix_lens=prefix_t,
                         block_table=self.bank.block_table[slot_t], positions=positions,
                         shape_class=classify(sum(lens), rows=False))
         return tokens, meta

@@ -4,7 +4,9 @@
 - every key of small ladders is captured at start-up; rows of varied lengths and counts, and state
   passes of new and chunked documents, then run only as replays (no eager pass);
 - a replay equals the eager run of the same key bit for bit (rows' hidden states and every bank
-  state written), and the unpadded eager pass within bf16 rounding (other GEMM row counts).
+  state written), and the unpadded eager pass within bf16 rounding (other GEMM row counts);
+- a document read in pieces over passes (as the bank splits one at its pass cap) stores the states
+  of one pass over it, within bf16 rounding.
 """
 
 import pytest
@@ -84,6 +86,17 @@ def test_every_key_captured_then_only_replays_bit_identical_to_keyed_eager(setup
             passes.state_pass(docs, hs)
             handles += hs
             lens += list(lens_i)
+        # a document the bank splits across passes: its first chunk beside a new document, then the
+        # rest from 128 on (two rounds of 256 and 116 that continue the slot), and once whole to compare
+        split_doc, other = documents(9, (500, 90))
+        whole, split, beside = bank.alloc(500), bank.alloc(500), bank.alloc(90)
+        passes.state_pass([split_doc], [whole])
+        passes.state_pass([split_doc[:128], other], [split, beside])
+        passes.state_pass([split_doc[128:]], [split], [128])
+        handles += [whole, split, beside]
+        lens += [500, 500, 90]
+        for pool in bank.pools.recurrent + bank.pools.conv:
+            assert rel_err(pool[whole.slot].float(), pool[split.slot].float()) <= 2e-2, "split != whole"
         for seed, n in [(1, 1), (2, 5), (3, 16), (4, 9)]:
             batch = row_batch(handles, lens, seed, n)
             assert ROWS.key_for(batch.row_lens) is not None, "the test's batches are within the ladder's caps"

@@ -275,6 +275,35 @@ def test_cpu_builds_a_plain_runner(role):
     assert torch.equal(passes.row_pass(batch), Passes(model, bank, get_ops("torch")).row_pass(batch))
 
 
+def test_a_document_read_in_pieces_over_passes_equals_one_read():
+    """The bank splits a document across state passes at whole delta-rule chunks (`piece_tokens`,
+    bank_service/acquire.py): each piece continues the states the last one left in the slot, beside
+    other documents' pieces of other starts. On CPU the result is the one pass's, bit for bit: its
+    states and what rows read from them (the prefix's K/V included)."""
+    cfg = tiny_config()
+    model = random_model(cfg, seed=5)
+    bank = Bank.allocate(cfg, num_slots=6, num_blocks=32, block_size=64, max_doc_tokens=512)
+    passes = Passes(model, bank, get_ops("torch"), state_chunk_tokens=128)
+    g = torch.Generator().manual_seed(1)
+    long, other = (torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (300, 90))
+    whole, split = bank.alloc(300), bank.alloc(300)
+    passes.state_pass([long], [whole])  # one call: chunks of 128 (the pass's own rounds)
+    assert passes.piece_tokens(300, 100) == 64 and passes.piece_tokens(236, 1000) == 128
+    a, b = bank.alloc(90), bank.alloc(90)
+    passes.state_pass([long[:64], other], [split, a])  # the first chunk, beside a new document
+    passes.state_pass([other, long[64:192]], [b, split], [0, 64])  # the next piece starts at 64
+    passes.state_pass([long[192:]], [split], [192])
+    for pool in bank.pools.recurrent + bank.pools.conv:
+        assert torch.equal(pool[whole.slot], pool[split.slot])
+        assert torch.equal(pool[a.slot], pool[b.slot])
+    row, other_row = (torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 5))
+    batch = RowBatch.build([row, row, other_row], [whole, split, a], [300, 300, 90], [[6], [6], [4]])
+    out = passes.row_pass(batch)
+    assert torch.equal(out[0], out[1])
+    with pytest.raises(ValueError, match="starts"):
+        passes.state_pass([other], [b], [0, 0])
+
+
 # ---- the row worker captures only when its queue is empty ---------------------------------------
 
 class FakePasses:

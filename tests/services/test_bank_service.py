@@ -395,20 +395,25 @@ def test_a_full_bank_makes_a_new_document_wait_for_a_pin_to_go(ckpt, redis_srv, 
     assert rc == 0, small.log_text()[-3000:]
 
 
-@pytest.mark.parametrize("lens,ladder,taken", [
-    ([48] * 70, "bank", 64),  # max_pass_documents
-    ([1100] * 20, "bank", 13),  # more wait: 14 documents (15,400 tokens) would pad to 16,384; 13 fill 14,336
-    ([2200] * 8, "bank", 7),  # the bank's ladder covers its pass caps: only the caps stop a batch
-    ([2200] * 8, (8192, 64), 3),  # a ladder below the caps: 4 x 2,200 tokens would have no key, stop at 3
-    ([48] * 20, (16384, 8), 8),  # ... nor would a ninth document on a ladder of 8 documents
-    ([2200] * 8, None, 7),  # no graphs (CPU): only the caps
-    ([9000, 48, 48], (8192, 64), 1),  # chunk by chunk (8,192 and 808) on the graphs; with a companion, 8,240: none
-    ([5000, 48, 48], (4096, 64), 3),  # a pass that has no key from the start takes what the caps allow
-], ids=["short", "fit-to-key", "long-bank-ladder", "long-small-ladder", "many-small-ladder", "long-no-graphs", "chunked",
-        "unkeyed-first"])
-def test_state_pass_batch_stays_on_the_graphs(lens, ladder, taken):
-    """The worker's batch: up to the caps, but never grown from a pass that runs in CUDA-graph keys
-    (every chunk pass of it, `Passes.state_keyed`) into one that does not."""
+@pytest.mark.parametrize("lens,ladder,pieces", [
+    ([48] * 70, "bank", [48] * 64),  # max_pass_documents
+    ([48] * 20 + [100] * 10, (1152, 64), [48] * 20),  # a 22nd document would leave the ladder; 21 (1,060
+    # tokens) pad to 1,152, so with more waiting the pass cuts back to 20 (960 in 1,024: `documents_to_take`)
+    ([1100] * 20, "bank", [1100] * 14 + [960]),  # the 15th document gives what fits: the pass holds 16,360 tokens
+    ([2200] * 8, "bank", [2200] * 7 + [960]),  # the bank's ladder covers its pass caps: only the caps stop a batch
+    ([2200] * 8, (8192, 64), [2200] * 3),  # a ladder below the caps: 4 x 2,200 tokens would have no key, stop at 3
+    ([48] * 20, (16384, 8), [48] * 8),  # ... nor would a ninth document on a ladder of 8 documents
+    ([2200] * 8, None, [2200] * 7 + [960]),  # no graphs (CPU): only the caps
+    ([9000, 48, 48], (8192, 64), [8192]),  # a chunk a pass; with a companion, 8,240 tokens: no key
+    ([9000, 20000, 48], "bank", [8192, 8192]),  # one chunk of each: the pass is full (16,384)
+    ([5000, 48, 48], (4096, 64), [5000, 48, 48]),  # a pass that has no key from the start takes what the caps allow
+    ([8000, 8010, 500], "bank", [8000, 8010, 320]),  # a piece ends on a whole delta-rule chunk: 374 fit, 320 go
+], ids=["short", "fit-to-key", "split-at-cap", "long-bank-ladder", "long-small-ladder", "many-small-ladder",
+        "long-no-graphs", "chunked", "two-long", "unkeyed-first", "aligned"])
+def test_state_pass_batch_stays_on_the_graphs(lens, ladder, pieces):
+    """The worker's batch: up to the caps, the document that crosses the token cap giving what fits
+    of it (whole chunks), never more than a chunk of one; never grown from a pass that runs in
+    CUDA-graph keys (every chunk pass of it, `Passes.state_keyed`) into one that does not."""
     from types import SimpleNamespace
 
     from bank_service.acquire import Acquirer
@@ -426,10 +431,10 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, taken):
         assert (states.max_tokens, states.max_seqs) == (config.max_pass_tokens, config.max_pass_documents)
     else:
         states = KeyLadder(PassKind.STATE, *ladder) if ladder else None
-    # the real `Passes.state_keyed` over a graph cache of that ladder (nothing captured: no GPU here)
+    # the real `Passes` rules over a graph cache of that ladder (nothing captured: no GPU here)
     passes = SimpleNamespace(graphs=GraphCache(states=states) if states else None, state_chunk_tokens=8192)
-    passes.state_keyed = lambda doc_lens: Passes.state_keyed(passes, doc_lens)
-    passes.documents_to_take = lambda doc_lens: Passes.documents_to_take(passes, doc_lens)
+    for rule in ("state_keyed", "documents_to_take", "piece_tokens"):
+        setattr(passes, rule, getattr(Passes, rule).__get__(passes))
     metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
     acq = Acquirer(passes, None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
                    max_wait_s=0.0, max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
@@ -437,9 +442,11 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, taken):
         acq._queue.append(Job(f"d{i}", [1] * n, time.monotonic()))
     with acq._cv:
         batch = acq._take_batch()
-    assert len(batch) == taken and len(acq._queue) == len(lens) - taken
+    assert [p.end - p.start for p in batch] == pieces
+    assert all(p.start == 0 for p in batch)  # every job's first piece
+    assert len(acq._queue) == len(lens) - len(pieces)  # the pass's jobs leave the queue until it is done
     if states is not None:  # a batch started on the graphs stays on them
-        assert passes.state_keyed([len(j.tokens) for j in batch]) is passes.state_keyed(lens[:1])
+        assert passes.state_keyed(pieces) is passes.state_keyed([min(lens[0], 8192)])
 
 
 def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
@@ -448,11 +455,11 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
     from types import SimpleNamespace
 
     from bank_service.acquire import Acquirer
-    from bank_service.jobs import Job, Waiter
+    from bank_service.jobs import Job, Piece, Waiter
     from kev.bank.directory import Lease
 
     order = []
-    passes = SimpleNamespace(state_pass=lambda docs, handles: order.append("state_pass"),
+    passes = SimpleNamespace(state_pass=lambda docs, handles, starts: order.append("state_pass"),
                              synchronize=lambda: order.append("synchronize"))
     bank = SimpleNamespace(alloc=lambda n: BankHandle(len(order), 1), bind=lambda handle, fingerprint: None)
 
@@ -471,6 +478,6 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
     acq._epoch = "e"
     waiters = [Waiter(30), Waiter(30)]
     jobs = [Job(f"d{i}", [1] * 8, time.monotonic(), [w]) for i, w in enumerate(waiters)]
-    acq._process(jobs, reconcile=False)
+    acq._process([Piece(job, 0, 8) for job in jobs], reconcile=False)
     assert order == ["state_pass", "synchronize", "register", "register"]
     assert all(w.done.is_set() and w.result is not None for w in waiters)

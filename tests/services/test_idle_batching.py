@@ -18,6 +18,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import scorer_service.batcher as batcher_module
 from bank_service.acquire import Acquirer
@@ -263,38 +264,53 @@ def test_the_window_caps_the_wait_while_the_device_is_busy(scorer, device):
 
 
 class HeldStatePasses:
-    """The bank's real state passes, recorded (documents' lengths per pass); while `hold` is set a
-    pass stays in flight until `release()`."""
+    """The bank's real state passes, recorded (the lengths and starts of the documents' pieces per
+    pass); while `hold` is set a pass stays in flight until `release()`."""
 
     def __init__(self, passes):
-        self.real, self.passes = passes.state_pass, []
+        self.real, self.passes, self.starts = passes.state_pass, [], []
         self.hold, self.inside, self.gate = False, threading.Event(), threading.Event()
         passes.state_pass = self
 
-    def __call__(self, documents, handles):
+    def __call__(self, documents, handles, starts=None):
         self.passes.append([len(d) for d in documents])
+        self.starts.append(list(starts) if starts is not None else [0] * len(documents))
         if self.hold:
             self.inside.set()
             assert self.gate.wait(10)
-        return self.real(documents, handles)
+        return self.real(documents, handles, starts)
 
     def release(self) -> None:
         self.hold = False
         self.gate.set()
 
 
-@pytest.fixture
-def bank(loaded, redis_server):
+def started_bank(loaded, redis_server, namespace: str, max_pass_tokens: int):
     store = Bank.from_budget(loaded.model.cfg, 4 << 20, avg_doc_tokens=64, max_doc_tokens=512)
     passes = PassBuilder(loaded.model, get_ops("torch"), PassRole.STATES, GraphPlan()).build(store)
     held = HeldStatePasses(passes)
-    directory = Directory(redis_server.client(), loaded.model_id, "idle")
+    directory = Directory(redis_server.client(), loaded.model_id, namespace)
     acq = Acquirer(passes, store, directory, BankMetrics(store.stats), lease_s=30, max_wait_s=WINDOW_S,
-                   max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
+                   max_pass_tokens=max_pass_tokens, max_pass_documents=64, epoch_check_s=1)
     acq.start()
-    yield SimpleNamespace(acq=acq, held=held, directory=directory)
-    held.release()
-    acq.stop()
+    return SimpleNamespace(acq=acq, held=held, directory=directory, store=store, passes=passes)
+
+
+@pytest.fixture
+def bank(loaded, redis_server):
+    started = started_bank(loaded, redis_server, "idle", 16384)
+    yield started
+    started.held.release()
+    started.acq.stop()
+
+
+@pytest.fixture
+def small_bank(loaded, redis_server):
+    """A bank whose state passes hold 128 document tokens at most."""
+    started = started_bank(loaded, redis_server, "small", 128)
+    yield started
+    started.held.release()
+    started.acq.stop()
 
 
 def tokens(i: int, n: int = 20) -> list[int]:
@@ -386,6 +402,96 @@ def test_a_pass_registers_its_documents_in_one_round_trip_and_a_conflict_costs_o
     pins = {e.doc_key: e.pins for e in bank.directory.entries()}
     assert pins[document_key(bank.acq.model_id, docs[0])] == 1 and pins[document_key(bank.acq.model_id, docs[2])] == 1
     wait_until(lambda: clash not in {e.doc_key for e in bank.directory.entries()}, "the reconcile's clean-up")
+
+
+def queue_behind_a_pass(bank, docs, timeouts=None):
+    """One document's pass held in flight while `docs` queue behind it (each caller with its own
+    timeout, 10 s by default); returns both callers' (threads, results)."""
+    bank.held.hold = True
+    first = in_threads(bank.acq.acquire, [(tokens(0, 10), 30, 10)])
+    assert bank.held.inside.wait(5)
+    results = [None] * len(docs)
+
+    def call(k, doc, timeout_s):
+        try:
+            results[k] = bank.acq.acquire(doc, 30, timeout_s)
+        except Exception as e:  # noqa: BLE001 - returned for the assertion
+            results[k] = e
+
+    threads = []
+    for k, (doc, timeout_s) in enumerate(zip(docs, timeouts or [10] * len(docs))):  # one at a time: queued in order
+        threads.append(threading.Thread(target=call, args=(k, doc, timeout_s)))
+        threads[-1].start()
+        wait_until(lambda: len(bank.acq._queue) == k + 1, "the documents queued behind the pass")
+    return first, (threads, results)
+
+
+def test_a_document_crossing_the_pass_cap_gives_what_fits_and_ends_in_the_next_pass(small_bank):
+    """More queued than a pass holds: the document that crosses the cap goes in with its first whole
+    chunks and finishes in the next pass, its states as one pass would write them; only then is it
+    registered and its caller answered."""
+    bank = small_bank
+    long = tokens(3, 100)
+    (threads, results), (more, more_results) = queue_behind_a_pass(bank, [tokens(1, 20), tokens(2, 20), long])
+    bank.held.release()
+    for t in threads + more:
+        t.join(10)
+    assert all(not isinstance(r, Exception) and not r.cached for r in results + more_results), more_results
+    assert bank.held.passes == [[10], [20, 20, 64], [36]] and bank.held.starts == [[0], [0, 0, 0], [64]]
+    assert bank.acq.metrics.split_documents._value.get() == 1
+    got = more_results[2]
+    assert got.length == 100 and bank.acq.acquire(long, 30, 10).cached
+    ref = bank.store.alloc(100)
+    bank.held.real([long], [ref])  # one pass over the whole document
+    for pool in bank.store.pools.recurrent + bank.store.pools.conv:
+        assert torch.equal(pool[got.handle.slot], pool[ref.slot])
+
+
+def test_a_document_read_part_way_whose_callers_left_gives_its_slot_back(small_bank):
+    """Its caller gives up while the document waits; its first piece still runs (the pass was
+    taken), but then its slot goes back instead of a second pass, and nothing is registered."""
+    bank = small_bank
+    used = bank.store.stats().slots_used
+    long = tokens(4, 100)
+    (threads, _), (more, more_results) = queue_behind_a_pass(bank, [tokens(5, 40), long], [10, 0.2])
+    more[1].join(5)
+    assert isinstance(more_results[1], DeadlineExceeded)
+    bank.held.release()
+    for t in threads + more:
+        t.join(10)
+    key = document_key(bank.acq.model_id, long)
+    wait_until(lambda: key not in bank.acq._pending and bank.store.stats().slots_used == used + 2,
+               "the long document's slot back")
+    assert bank.held.passes == [[10], [40, 64]]
+    assert key not in {e.doc_key for e in bank.directory.entries()}
+    assert not bank.acq.acquire(long, 30, 10).cached
+
+
+def test_a_failed_pass_frees_a_document_read_part_way(small_bank):
+    """The pass that would finish a split document fails: its caller gets INTERNAL and the slot of
+    its first piece goes back; the bank serves on."""
+    from kev.serving.errors import Internal
+
+    bank = small_bank
+    used = bank.store.stats().slots_used
+    long = tokens(6, 100)
+    real = bank.held.real
+
+    def failing(documents, handles, starts=None):
+        if starts and starts[0] == 64:
+            raise RuntimeError("device fault")
+        return real(documents, handles, starts)
+
+    bank.held.real = failing
+    (threads, results), (more, more_results) = queue_behind_a_pass(bank, [tokens(7, 40), long])
+    bank.held.release()
+    for t in threads + more:
+        t.join(10)
+    assert isinstance(more_results[1], Internal) and "device fault" in str(more_results[1])
+    assert not isinstance(more_results[0], Exception)
+    assert bank.store.stats().slots_used == used + 2  # the first and the 40-token document's; not the long one's
+    bank.held.real = real
+    assert not bank.acq.acquire(long, 30, 10).cached  # read again, whole, on request
 
 
 # ---- the whole path ----------------------------------------------------------------------------
