@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from kev.bank.bank import BankStats
 
@@ -12,6 +12,7 @@ from kev.bank.bank import BankStats
 class BankMetrics:
     def __init__(self, stats: Callable[[], BankStats]):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(namespace="kev_bank", registry=r)  # the process's CPU seconds (all threads)
         g = {
             "slots_used": "Bank slots holding a document (or being filled)",
             "slots_total": "Bank slots",

@@ -387,7 +387,14 @@ def scorer_figures(before: dict | None, after: dict | None, window_s: float = ma
         "row_passes_by_path": {path: int(delta(f'kev_scorer_graph_passes_total{{path="{path}"}}'))
                                for path in ("replay", "eager_bucketed", "unbucketed")},
         "row_padding_share": padding_share(delta, "scorer", "rows"),
+        "scorer_cpu_cores": cpu_cores(delta, "scorer", window_s),
     }
+
+
+def cpu_cores(delta, service: str, window_s: float) -> float:
+    """A service process's CPU seconds per second of the window, every thread together (Python's
+    and native ones): one core of mostly Python threads means the GIL is what they wait for."""
+    return delta(f"kev_{service}_process_cpu_seconds_total") / window_s if window_s > 0 else math.nan
 
 
 def padding_share(delta, service: str, kind: str) -> float:
@@ -419,6 +426,7 @@ def bank_figures(before: dict | None, after: dict | None, window_s: float = math
         "state_worker_busy": pass_s / window_s if window_s > 0 else math.nan,
         "state_worker_share": {s: t / window_s if window_s > 0 else math.nan for s, t in steps.items()},
         "state_padding_share": padding_share(delta, "bank", "state"),
+        "bank_cpu_cores": cpu_cores(delta, "bank", window_s),
         "new_document_acquire_ms": (delta('kev_bank_acquire_seconds_sum{cached="false"}') / acquires * 1e3
                                     if acquires else math.nan),
     }

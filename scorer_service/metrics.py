@@ -38,7 +38,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from kev.serving.graph_metrics import GraphCollector
 
@@ -53,6 +53,8 @@ class ScorerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # the process's CPU seconds (all threads): near 1 core of Python, the GIL is the ceiling
+        ProcessCollector(namespace="kev_scorer", registry=r)
         self.request_seconds = Histogram("kev_scorer_requests_seconds", "ScoreQuestions latency", ["code"],
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.request_phase_seconds = Counter("kev_scorer_request_phase_seconds",

@@ -9,6 +9,7 @@ model). Any error fails the run. The GPU comparison is bench/load_compare.py.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +99,8 @@ def test_load_generator_on_the_cpu_stack(checkpoint, tmp_path):
     assert set(phases) == {"prepare", "acquire", "rows", "release"} and min(phases.values()) > 0
     assert phases["acquire"] >= run["new_document_acquire_ms"] * 0.5 and phases["rows"] >= run["row_pass_ms"] * 0.5
     assert sum(phases.values()) <= run["mean_ms"] * 1.05  # the client's time holds the scorer's
+    for service in ("scorer", "bank"):  # both processes worked on the CPU model, within this machine's cores
+        assert 0.05 < run[f"{service}_cpu_cores"] <= (os.cpu_count() or 1) * 1.1, service
     # New documents every request: 48 document + 6 x 32 row tokens each. No GPU: no matmul rate, no
     # ceiling, no CUDA-graph counters (the services export none on a CPU).
     assert run["tokens_per_s"] == pytest.approx(240 * run["requests_per_s"])
