@@ -181,11 +181,13 @@ class Acquirer:
             with self._cv:
                 while not self._stopping and (pause := self._space_retry_at - time.monotonic()) > 0:
                     self._cv.wait(pause)  # the queue's front waits for space (_hold_for_space)
+                # documents that came during the last pass: the bank is loaded, more come during the next
+                loaded = bool(self._queue)
                 if not (self._queue or self._stopping or self._reconcile_due or self.passes.idle_work):
                     self._cv.wait(self.epoch_check_s)
                 if self._stopping:
                     return
-                batch = self._take_batch() if self._queue else []
+                batch = self._take_batch(loaded) if self._queue else []
                 reconcile, self._reconcile_due = self._reconcile_due, False
             try:
                 self._process(batch, reconcile)
@@ -196,14 +198,17 @@ class Acquirer:
                 for job in batch:
                     self._fail(job, Internal(f"bank worker error: {e}"))
 
-    def _take_batch(self) -> list[Piece]:
+    def _take_batch(self, loaded: bool = False) -> list[Piece]:
         """Called with _cv held: the next pass's pieces, taken at once (no pass is in flight when the
         worker comes here, so waiting for companions would only add latency), up to the pass caps
         (always at least one). A document that does not fit whole gives the pass what fits of it
         (`Passes.piece_tokens`) and the rest goes in the next pass, so a bank with more queued than
         a pass holds runs full passes, padded to no graph key; so does a document longer than a chunk,
-        one chunk a pass, beside others. Every job taken leaves the queue; one not finished by its
-        piece goes back to its front after the pass (`_requeue`)."""
+        one chunk a pass, beside others. When more work follows (documents still queued, or
+        `loaded`: some arrived during the last pass, so more will during this one) a pass that would
+        pad up to its key is cut back to the key below instead when that pads less
+        (`Passes.pieces_to_take`). Every job taken leaves the queue; one not finished by its piece
+        goes back to its front after the pass (`_requeue`)."""
         pieces: list[Piece] = []
         tokens = 0
         while self._queue and len(pieces) < self.max_pass_documents:
@@ -218,11 +223,14 @@ class Acquirer:
             self._queue.popleft()
             pieces.append(Piece(job, job.done, job.done + n))
             tokens += n
-        if self._queue and len(pieces) > 1 and all(p.last for p in pieces):
-            # more wait and the pass holds whole documents: fit it to its graph key, the rest go next
-            keep = self.passes.documents_to_take([p.end - p.start for p in pieces])
-            self._queue.extendleft(reversed([p.job for p in pieces[keep:]]))
-            pieces = pieces[:keep]
+        if len(pieces) > 1 and (self._queue or loaded):
+            # more work follows this pass: fit it to the graph key below when that pads less (the
+            # last piece kept cut short at whole chunks); what is cut goes first in the next pass
+            lens = self.passes.pieces_to_take([p.end - p.start for p in pieces])
+            k = len(lens)
+            self._queue.extendleft(reversed([p.job for p in pieces[k:]]))
+            last = pieces[k - 1]
+            pieces = pieces[: k - 1] + [Piece(last.job, last.start, last.start + lens[-1])]
         self.metrics.queue_depth.set(len(self._queue))
         return pieces
 

@@ -96,19 +96,36 @@ class KeyLadder:
 
     def best_prefix(self, lens: Sequence[int]) -> int:
         """How many leading sequences of `lens` to run now when the rest can wait for the next pass
-        (a full pass with more waiting): all of them, or the most that fit the ladder step below
-        theirs, whichever pads a smaller share (a pass spilling just past a step pads up to a
-        quarter of it; cut back to the step, it pads less than one sequence)."""
+        (a full pass with more waiting): `best_cut` with whole sequences only."""
+        return len(self.best_cut(lens))
+
+    def best_cut(self, lens: Sequence[int], align: int | None = None) -> list[int]:
+        """The lengths of a pass of sequences of `lens` to run now when what is cut can wait for the
+        next pass: all of them, or the most that fit the ladder step below theirs, whichever pads a
+        smaller share (a pass spilling just past a step pads up to a quarter of it). Cut back, the
+        trailing sequences go and, with `align`, the last one kept may be cut short to a multiple of
+        it (a sequence that continues in a later pass: the bank's document pieces); without, only
+        whole sequences stay (rows)."""
+        lens = list(lens)
         full = self.key_for(lens)
         lower = [T for T in self.tokens if full is not None and T < full.tokens]
-        if not lower:
-            return len(lens)
-        prefix = list(accumulate(lens, initial=0))
-        k = bisect_right(prefix, lower[-1]) - 1  # the most leading sequences within that step
-        cut = self.key_for(lens[:k]) if k >= 1 else None
-        if cut is not None and prefix[k] * full.tokens > prefix[-1] * cut.tokens:
-            return k
-        return len(lens)
+        total = sum(lens)
+        if not lower or total <= lower[-1]:
+            return lens
+        step, kept, out = lower[-1], 0, []
+        for n in lens:
+            if kept + n > step:
+                part = (step - kept) // align * align if align else 0
+                if part > 0:
+                    out.append(part)
+                    kept += part
+                break
+            out.append(n)
+            kept += n
+        cut = self.key_for(out) if out else None
+        if cut is not None and kept * full.tokens > total * cut.tokens:
+            return out
+        return lens
 
     def key_for(self, lens: Sequence[int]) -> GraphKey | None:
         """The smallest key a pass of sequences of `lens` tokens fits, or None (beyond the caps)."""

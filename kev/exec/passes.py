@@ -182,11 +182,13 @@ class Passes:
             return len(row_lens)
         return self.graphs.rows.best_prefix(row_lens)
 
-    def documents_to_take(self, doc_lens: Sequence[int]) -> int:
-        """The same for a full state pass of new documents (each within one chunk)."""
-        if self.graphs is None or self.graphs.states is None or max(doc_lens, default=0) > self.state_chunk_tokens:
-            return len(doc_lens)
-        return self.graphs.states.best_prefix(doc_lens)
+    def pieces_to_take(self, piece_lens: Sequence[int]) -> list[int]:
+        """The same for a state pass of document pieces (each within one chunk) when more work will
+        follow it: `KeyLadder.best_cut`, the last piece kept cut short at whole delta-rule chunks
+        (`piece_tokens`); the lengths to run now, a prefix of `piece_lens` but for that last one."""
+        if self.graphs is None or self.graphs.states is None or max(piece_lens, default=0) > self.state_chunk_tokens:
+            return list(piece_lens)
+        return self.graphs.states.best_cut(piece_lens, CHUNK)
 
     @property
     def idle_work(self) -> bool:

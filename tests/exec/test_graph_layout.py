@@ -220,6 +220,34 @@ def test_best_prefix_cuts_a_full_pass_back_to_its_step():
     assert ladder.best_prefix([8193]) == 1 and ladder.best_prefix([]) == 0
 
 
+def test_best_cut_with_split_pieces_pads_under_one_chunk():
+    """The bank's pieces may be cut short at whole chunks (`best_cut(lens, 64)`): over random passes
+    of documents the cut pass pads less than a chunk whenever it is cut, its share never rises, and
+    it is the leading pieces with the last one shortened to a multiple of 64."""
+    ladder = KeyLadder(PassKind.STATE, 16384, 64)
+    g = torch.Generator().manual_seed(3)
+    shares, cuts = [0.0, 0.0], 0
+    for _ in range(200):
+        n = int(torch.randint(2, 20, (1,), generator=g))
+        lens = torch.exp(torch.empty(n).uniform_(3.5, 7.5, generator=g)).long().clamp(max=8192).tolist()
+        if sum(lens) > 16384:
+            continue
+        out = ladder.best_cut(lens, 64)
+        full, cut = ladder.key_for(lens), ladder.key_for(out)
+        k = len(out)
+        assert 1 <= k <= n and out[:-1] == lens[: k - 1] and 0 < out[-1] <= lens[k - 1]
+        assert out[-1] == lens[k - 1] or out[-1] % 64 == 0
+        pad = [(full.tokens - sum(lens)) / full.tokens, (cut.tokens - sum(out)) / cut.tokens]
+        assert pad[1] <= pad[0]
+        if out != lens:
+            cuts += 1
+            assert cut.tokens - sum(out) < 64 or out[-1] == lens[k - 1]  # a split pads less than a chunk
+        shares = [s + p for s, p in zip(shares, pad)]
+    assert cuts > 20 and shares[1] < shares[0] / 3, (cuts, shares)
+    assert ladder.best_cut([1000, 1000]) == [1000, 1000]  # 2,000 in 2,048: nothing to gain
+    assert ladder.best_cut([300, 300], 64) == [300, 192]  # 600 real in 640 (0.94); cut, 492 in 512 (0.96)
+
+
 class FakeGraph:
     def __init__(self, fn, outs):
         self.fn, self.outs, self.replays, self.was_reset = fn, outs, 0, False

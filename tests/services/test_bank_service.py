@@ -395,25 +395,29 @@ def test_a_full_bank_makes_a_new_document_wait_for_a_pin_to_go(ckpt, redis_srv, 
     assert rc == 0, small.log_text()[-3000:]
 
 
-@pytest.mark.parametrize("lens,ladder,pieces", [
-    ([48] * 70, "bank", [48] * 64),  # max_pass_documents
-    ([48] * 20 + [100] * 10, (1152, 64), [48] * 20),  # a 22nd document would leave the ladder; 21 (1,060
-    # tokens) pad to 1,152, so with more waiting the pass cuts back to 20 (960 in 1,024: `documents_to_take`)
-    ([1100] * 20, "bank", [1100] * 14 + [960]),  # the 15th document gives what fits: the pass holds 16,360 tokens
-    ([2200] * 8, "bank", [2200] * 7 + [960]),  # the bank's ladder covers its pass caps: only the caps stop a batch
-    ([2200] * 8, (8192, 64), [2200] * 3),  # a ladder below the caps: 4 x 2,200 tokens would have no key, stop at 3
-    ([48] * 20, (16384, 8), [48] * 8),  # ... nor would a ninth document on a ladder of 8 documents
-    ([2200] * 8, None, [2200] * 7 + [960]),  # no graphs (CPU): only the caps
-    ([9000, 48, 48], (8192, 64), [8192]),  # a chunk a pass; with a companion, 8,240 tokens: no key
-    ([9000, 20000, 48], "bank", [8192, 8192]),  # one chunk of each: the pass is full (16,384)
-    ([5000, 48, 48], (4096, 64), [5000, 48, 48]),  # a pass that has no key from the start takes what the caps allow
-    ([8000, 8010, 500], "bank", [8000, 8010, 320]),  # a piece ends on a whole delta-rule chunk: 374 fit, 320 go
+@pytest.mark.parametrize("lens,ladder,loaded,pieces", [
+    ([48] * 70, "bank", False, [48] * 64),  # max_pass_documents (3,072 tokens: a key)
+    ([48] * 20 + [100] * 10, (1152, 64), False, [48] * 20 + [64]),  # a 22nd document would leave the ladder;
+    # 21 (1,060 tokens) pad to 1,152, so with more waiting the pass is cut to 1,024: the last one's first chunk
+    ([1100] * 20, "bank", False, [1100] * 14 + [960]),  # the 15th document gives what fits: 16,360 tokens
+    ([2200] * 8, "bank", False, [2200] * 7 + [960]),  # the bank's ladder covers its pass caps: only the caps stop a batch
+    ([2200] * 8, (8192, 64), False, [2200] * 2 + [1728]),  # a ladder below the caps: 4 x 2,200 tokens would have
+    # no key, and 3 pad to 7,168: cut to 6,144
+    ([48] * 20, (16384, 8), False, [48] * 8),  # ... nor would a ninth document on a ladder of 8 documents
+    ([2200] * 8, None, False, [2200] * 7 + [960]),  # no graphs (CPU): only the caps
+    ([9000, 48, 48], (8192, 64), False, [8192]),  # a chunk a pass; with a companion, 8,240 tokens: no key
+    ([9000, 20000, 48], "bank", False, [8192, 8192]),  # one chunk of each: the pass is full (16,384)
+    ([5000, 48, 48], (4096, 64), False, [5000, 48, 48]),  # a pass that has no key from the start takes what the caps allow
+    ([8000, 8010, 500], "bank", False, [8000, 8010, 320]),  # a piece ends on a whole delta-rule chunk: 374 fit, 320 go
+    ([48] * 11, "bank", False, [48] * 11),  # all that waits, nothing arrived during the last pass: 528 in 640
+    ([48] * 11, "bank", True, [48] * 10),  # loaded: more will come during this pass, so 480 in 512
 ], ids=["short", "fit-to-key", "split-at-cap", "long-bank-ladder", "long-small-ladder", "many-small-ladder",
-        "long-no-graphs", "chunked", "two-long", "unkeyed-first", "aligned"])
-def test_state_pass_batch_stays_on_the_graphs(lens, ladder, pieces):
+        "long-no-graphs", "chunked", "two-long", "unkeyed-first", "aligned", "idle", "loaded"])
+def test_state_pass_batch_stays_on_the_graphs(lens, ladder, loaded, pieces):
     """The worker's batch: up to the caps, the document that crosses the token cap giving what fits
     of it (whole chunks), never more than a chunk of one; never grown from a pass that runs in
-    CUDA-graph keys (every chunk pass of it, `Passes.state_keyed`) into one that does not."""
+    CUDA-graph keys (every chunk pass of it, `Passes.state_keyed`) into one that does not; with more
+    work to follow, cut back to the key below when that pads a smaller share."""
     from types import SimpleNamespace
 
     from bank_service.acquire import Acquirer
@@ -433,7 +437,7 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, pieces):
         states = KeyLadder(PassKind.STATE, *ladder) if ladder else None
     # the real `Passes` rules over a graph cache of that ladder (nothing captured: no GPU here)
     passes = SimpleNamespace(graphs=GraphCache(states=states) if states else None, state_chunk_tokens=8192)
-    for rule in ("state_keyed", "documents_to_take", "piece_tokens"):
+    for rule in ("state_keyed", "pieces_to_take", "piece_tokens"):
         setattr(passes, rule, getattr(Passes, rule).__get__(passes))
     metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
     acq = Acquirer(passes, None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
@@ -441,7 +445,7 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, pieces):
     for i, n in enumerate(lens):
         acq._queue.append(Job(f"d{i}", [1] * n, time.monotonic()))
     with acq._cv:
-        batch = acq._take_batch()
+        batch = acq._take_batch(loaded)
     assert [p.end - p.start for p in batch] == pieces
     assert all(p.start == 0 for p in batch)  # every job's first piece
     assert len(acq._queue) == len(lens) - len(pieces)  # the pass's jobs leave the queue until it is done
