@@ -2,6 +2,7 @@
 and a device call's files are sorted into bench/results and runs/ (bench/device/collect.py)."""
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,6 +36,21 @@ def test_device_scripts_name_their_new_paths():
         assert not old, f"{name} still names {old}"
     # the device tool returns 8 files: a four-workload call's JSONs, log, CSV and cache parts, no plots
     assert '--png-dir "$OUT"' not in (ROOT / "bench/device/load_check.sh").read_text()
+
+
+def test_the_gpu_test_groups_hold_every_gpu_test_once():
+    """gpu_check.sh's halves (tests-a, tests-b = its kernels + tests-c) name every file with a GPU
+    test, each in one half: a new GPU test file never goes unrun on the device."""
+    text = (ROOT / "bench/device/gpu_check.sh").read_text()
+    arrays = re.findall(r"^GPU_TESTS\w*=\([^)]*\)", text, re.M)  # the groups' assignments, run alone
+    script = "\n".join(arrays) + '\necho "${GPU_TESTS_A[@]}"; echo "${GPU_TESTS_B[@]}"; echo "${GPU_TESTS_C[@]}"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    a, b, c = (line.split() for line in out.stdout.splitlines())
+    gpu = re.compile(r"^(pytestmark = pytest\.mark\.gpu|@pytest\.mark\.gpu)", re.M)
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if gpu.search(p.read_text())}
+    assert sorted(a + b) == sorted(marked) and len(set(a + b)) == len(a + b)
+    assert set(c) < set(b) and "tests/ops/test_kernels_gpu.py" not in c
 
 
 def test_gpu_sharing_is_time_sliced_unless_mps_is_asked_for(monkeypatch):
