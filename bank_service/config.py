@@ -62,7 +62,7 @@ class BankConfig:
     # release them), counted from its arrival; then RESOURCE_EXHAUSTED. 0: refused at once. The
     # default lease's length: a pin its crashed holder never releases expires within the wait.
     full_wait_ms: float = 30000.0
-    max_pass_tokens: int = 16384  # document tokens per state pass at most (one longer document runs alone)
+    max_pass_tokens: int = 16384  # document tokens per state pass at most (a longer document goes a chunk a pass)
     max_pass_documents: int = 64
     max_lease_seconds: float = 120.0  # longest lease a caller may ask for (issue 27: was 3600)
     grpc_workers: int = 64  # concurrent RPCs (Acquire blocks while its state pass runs)
