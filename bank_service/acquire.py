@@ -225,12 +225,17 @@ class Acquirer:
             tokens += n
         if len(pieces) > 1 and (self._queue or loaded):
             # more work follows this pass: fit it to the graph key below when that pads less (the
-            # last piece kept cut short at whole chunks); what is cut goes first in the next pass
+            # last piece kept cut short at whole chunks); what is cut goes first in the next pass.
+            # A document is cut off whole at most once: behind a long one (a chunk a pass, always
+            # first) a short one would otherwise be cut off pass after pass.
             lens = self.passes.pieces_to_take([p.end - p.start for p in pieces])
             k = len(lens)
-            self._queue.extendleft(reversed([p.job for p in pieces[k:]]))
-            last = pieces[k - 1]
-            pieces = pieces[: k - 1] + [Piece(last.job, last.start, last.start + lens[-1])]
+            if not any(p.job.held_back for p in pieces[k:]):
+                for p in pieces[k:]:
+                    p.job.held_back = True
+                self._queue.extendleft(reversed([p.job for p in pieces[k:]]))
+                last = pieces[k - 1]
+                pieces = pieces[: k - 1] + [Piece(last.job, last.start, last.start + lens[-1])]
         self.metrics.queue_depth.set(len(self._queue))
         return pieces
 

@@ -74,6 +74,7 @@ class Job:
     # tokens are in it (nobody hears of the slot until the last piece is in).
     handle: BankHandle | None = None
     done: int = 0
+    held_back: bool = False  # a pass once cut it off to fit its key: it is not cut off again
 
 
 @dataclass(frozen=True)

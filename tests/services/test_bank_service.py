@@ -395,6 +395,35 @@ def test_a_full_bank_makes_a_new_document_wait_for_a_pin_to_go(ckpt, redis_srv, 
     assert rc == 0, small.log_text()[-3000:]
 
 
+def acquirer_on_ladder(ladder):
+    """An Acquirer whose passes follow the real `Passes` batching rules over a graph cache of
+    `ladder` ("bank": the bank's default one; (tokens, seqs); None: no graphs), nothing captured
+    and nothing run (no GPU here): for its `_take_batch`."""
+    from types import SimpleNamespace
+
+    from bank_service.acquire import Acquirer
+    from bank_service.config import BankConfig
+    from kev.exec.graphs import GraphCache, KeyLadder
+    from kev.exec.passes import PassBuilder
+    from kev.exec.plan import PassRole
+    from kev.exec.static_pass import PassKind
+
+    if ladder == "bank":  # the ladder the bank builds from its default settings
+        config = BankConfig.from_env({"KEV_CHECKPOINT": "/ckpt", "KEV_REDIS_URL": "redis://localhost:6379/0",
+                                      "KEV_BANK_MEMORY_BYTES": "1000000", "KEV_DEVICE": "cuda"}, [])
+        states = PassBuilder(None, None, PassRole.STATES, config.graph_plan).ladders()[1]
+        assert (states.max_tokens, states.max_seqs) == (config.max_pass_tokens, config.max_pass_documents)
+    else:
+        states = KeyLadder(PassKind.STATE, *ladder) if ladder else None
+    passes = SimpleNamespace(graphs=GraphCache(states=states) if states else None, state_chunk_tokens=8192)
+    for rule in ("state_keyed", "pieces_to_take", "piece_tokens"):
+        setattr(passes, rule, getattr(Passes, rule).__get__(passes))
+    metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
+    acq = Acquirer(passes, None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
+                   max_wait_s=0.0, max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
+    return acq, passes, states
+
+
 @pytest.mark.parametrize("lens,ladder,loaded,pieces", [
     ([48] * 70, "bank", False, [48] * 64),  # max_pass_documents (3,072 tokens: a key)
     ([48] * 20 + [100] * 10, (1152, 64), False, [48] * 20 + [64]),  # a 22nd document would leave the ladder;
@@ -418,30 +447,9 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, loaded, pieces):
     of it (whole chunks), never more than a chunk of one; never grown from a pass that runs in
     CUDA-graph keys (every chunk pass of it, `Passes.state_keyed`) into one that does not; with more
     work to follow, cut back to the key below when that pads a smaller share."""
-    from types import SimpleNamespace
-
-    from bank_service.acquire import Acquirer
-    from bank_service.config import BankConfig
     from bank_service.jobs import Job
-    from kev.exec.graphs import GraphCache, KeyLadder
-    from kev.exec.passes import PassBuilder
-    from kev.exec.plan import PassRole
-    from kev.exec.static_pass import PassKind
 
-    if ladder == "bank":  # the ladder the bank builds from its default settings
-        config = BankConfig.from_env({"KEV_CHECKPOINT": "/ckpt", "KEV_REDIS_URL": "redis://localhost:6379/0",
-                                      "KEV_BANK_MEMORY_BYTES": "1000000", "KEV_DEVICE": "cuda"}, [])
-        states = PassBuilder(None, None, PassRole.STATES, config.graph_plan).ladders()[1]
-        assert (states.max_tokens, states.max_seqs) == (config.max_pass_tokens, config.max_pass_documents)
-    else:
-        states = KeyLadder(PassKind.STATE, *ladder) if ladder else None
-    # the real `Passes` rules over a graph cache of that ladder (nothing captured: no GPU here)
-    passes = SimpleNamespace(graphs=GraphCache(states=states) if states else None, state_chunk_tokens=8192)
-    for rule in ("state_keyed", "pieces_to_take", "piece_tokens"):
-        setattr(passes, rule, getattr(Passes, rule).__get__(passes))
-    metrics = SimpleNamespace(queue_depth=SimpleNamespace(set=lambda n: None))
-    acq = Acquirer(passes, None, SimpleNamespace(model_id="m"), metrics, lease_s=30,
-                   max_wait_s=0.0, max_pass_tokens=16384, max_pass_documents=64, epoch_check_s=1)
+    acq, passes, states = acquirer_on_ladder(ladder)
     for i, n in enumerate(lens):
         acq._queue.append(Job(f"d{i}", [1] * n, time.monotonic()))
     with acq._cv:
@@ -451,6 +459,29 @@ def test_state_pass_batch_stays_on_the_graphs(lens, ladder, loaded, pieces):
     assert len(acq._queue) == len(lens) - len(pieces)  # the pass's jobs leave the queue until it is done
     if states is not None:  # a batch started on the graphs stays on them
         assert passes.state_keyed(pieces) is passes.state_keyed([min(lens[0], 8192)])
+
+
+def test_a_cut_back_never_holds_a_document_back_twice():
+    """Behind a long document (a chunk a pass, always first in the queue) a short one would be cut
+    off every pass to fit the key below (8,292 tokens pad to 10,240; 8,192 fill theirs): it is held
+    back once, then goes in."""
+    from bank_service.jobs import Job
+
+    acq, _, _ = acquirer_on_ladder("bank")
+    long, short = Job("long", [1] * 30000, time.monotonic()), Job("short", [1] * 100, time.monotonic())
+    acq._queue.extend([long, short])
+    taken = []
+    for _ in range(3):
+        with acq._cv:
+            batch = acq._take_batch(loaded=True)
+        taken.append([(p.job.doc_key, p.end - p.start) for p in batch])
+        for p in batch:  # as after the pass: the long one goes back to the front for its next chunk
+            p.job.done = p.end
+        if long.done < len(long.tokens) and long not in acq._queue:
+            acq._queue.appendleft(long)
+        if short in [p.job for p in batch]:
+            break
+    assert taken == [[("long", 8192)], [("long", 8192), ("short", 100)]]
 
 
 def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
