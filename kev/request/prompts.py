@@ -299,6 +299,9 @@ class PromptBuilder:
     def document_tokens(self, doc: JsonDocument, truncate: bool = False) -> tuple[list[int], bool]:
         """`[<state>] + tokens(render_document(doc))`, at most max_document_tokens (head kept)."""
         (ids,) = self.encode_text([render_document(doc)], ["document"])
+        return self._document(ids, truncate)
+
+    def _document(self, ids: list[int], truncate: bool) -> tuple[list[int], bool]:
         limit = self.limits.max_document_tokens
         total = 1 + len(ids)
         if total <= limit:
@@ -311,7 +314,31 @@ class PromptBuilder:
         """Validates `question` and renders its row; `name` prefixes error fields."""
         prefix = question_field(name) if name is not None else "question"
         texts, text_fields = _row_texts(question, prefix, self.limits)
-        instructions, *options = self.encode_text(texts, text_fields)
+        return self._row(self.encode_text(texts, text_fields), prefix)
+
+    def request_tokens(self, questions: Sequence[tuple[str, Question]], doc: JsonDocument, truncate: bool = False
+                       ) -> tuple[list[RowPrompt], list[int], bool]:
+        """`row_tokens` of each (name, question), then `document_tokens`, in one tokenizer call: each
+        call gives the GIL up and takes it back, which on a loaded scorer waits behind the other
+        request threads (six-short's seven calls took 0.25-0.32 ms on one core, one 0.11). Every
+        question is checked before the document is rendered."""
+        prefixes, texts, fields, counts = [], [], [], []
+        for name, question in questions:
+            prefixes.append(question_field(name))
+            t, f = _row_texts(question, prefixes[-1], self.limits)
+            texts += t
+            fields += f
+            counts.append(len(t))
+        ids = self.encode_text([*texts, render_document(doc)], [*fields, "document"])
+        rows, at = [], 0
+        for prefix, n in zip(prefixes, counts):
+            rows.append(self._row(ids[at : at + n], prefix))
+            at += n
+        return rows, *self._document(ids[-1], truncate)
+
+    def _row(self, segments: Sequence[list[int]], prefix: str) -> RowPrompt:
+        """A row from its encoded instructions and options (`_row_texts` order)."""
+        instructions, *options = segments
         d = self.ids
         ids = [d.q, *instructions]
         ends = []
@@ -395,11 +422,11 @@ def validate_and_build(request: ScoreRequest, builder: PromptBuilder) -> Prepare
         raise InvalidRequest("questions", "must be a map of name -> question")
     if not request.questions:
         raise InvalidRequest("questions", "at least one question is required")
-    rows = []
-    for name, question in request.questions.items():
+    for name in request.questions:
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequest(question_field(str(name)), "question names must be non-empty strings")
-        rows.append(QuestionRow(name, question, builder.row_tokens(question, name)))
-    doc_ids, truncated = builder.document_tokens(request.document, request.truncate_document)
+    prompts, doc_ids, truncated = builder.request_tokens(list(request.questions.items()), request.document,
+                                                         request.truncate_document)
+    rows = [QuestionRow(name, question, prompt) for (name, question), prompt in zip(request.questions.items(), prompts)]
     unknown = builder.count_unknown(doc_ids) + sum(builder.count_unknown(r.prompt.ids) for r in rows)
     return PreparedRequest(tuple(doc_ids), truncated, tuple(rows), unknown)

@@ -265,6 +265,29 @@ def test_validate_and_build(builder):
     assert prepared.input_tokens == 3 + 11 + 6
 
 
+def test_a_request_is_encoded_in_one_tokenizer_call_as_its_parts_are_one_by_one(tok):
+    """`validate_and_build` encodes every question and the document in one call (each call gives
+    the GIL up on a loaded scorer), with the ids, rows and errors of encoding them one by one."""
+    calls = []
+    counted = PromptBuilder(tok)
+    plain = counted._plain
+    counted._plain = type("Counting", (), {"encode_batch": lambda self, texts, **kw: calls.append(len(texts))
+                                           or plain.encode_batch(texts, **kw)})()
+    questions = {"late": Question.noul("is it late", true_description="it is late"),
+                 "team": Question.choice("team", {"billing": None, "support": "the doc"}),
+                 "mood": Question.score("is it late", ["calm", "", "angry"])}
+    prepared = validate_and_build(request(questions, document="is it the doc"), counted)
+    assert calls == [3 + 3 + 4 + 1]  # their segments and the document, at once
+    one_by_one = PromptBuilder(tok)
+    assert [r.prompt for r in prepared.rows] == [one_by_one.row_tokens(q, n) for n, q in questions.items()]
+    assert list(prepared.document_ids) == one_by_one.document_tokens("is it the doc")[0]
+    limits = PromptBuilder(tok, limits=Limits(max_document_tokens=3))
+    cut = validate_and_build(request(questions, document="is it the doc", truncate_document=True), limits)
+    assert cut.truncated and list(cut.document_ids) == [STATE, 14, 15]
+    with pytest.raises(DocumentTooLong):
+        validate_and_build(request(questions, document="is it the doc"), limits)
+
+
 def bad_questions():
     noul, choice, score = QuestionType.NOUL, QuestionType.CHOICE, QuestionType.SCORE
     many = [Choice(f"o{i}") for i in range(256)]
