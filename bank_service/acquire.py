@@ -195,8 +195,8 @@ class Acquirer:
                     self.passes.capture_when_idle()
             except Exception as e:  # noqa: BLE001 - the worker must survive; its jobs learn why
                 log.exception("state-pass worker failed")
-                for job in batch:
-                    self._fail(job, Internal(f"bank worker error: {e}"))
+                for piece in batch:
+                    self._fail(piece.job, Internal(f"bank worker error: {e}"))
 
     def _take_batch(self, loaded: bool = False) -> list[Piece]:
         """Called with _cv held: the next pass's pieces, taken at once (no pass is in flight when the
@@ -263,7 +263,11 @@ class Acquirer:
                     continue
                 try:
                     handle = self._alloc(len(job.tokens), wanted=len(batch) - i)
-                    self.bank.bind(handle, key_fingerprint(job.doc_key))  # before anyone hears of the slot
+                    try:
+                        self.bank.bind(handle, key_fingerprint(job.doc_key))  # before anyone hears of the slot
+                    except BaseException:
+                        self.bank.free(handle)  # the slot is nobody's yet: never leak it
+                        raise
                     job.handle = handle
                 except BankFull:
                     full.append(job)

@@ -494,6 +494,35 @@ def test_a_failed_pass_frees_a_document_read_part_way(small_bank):
     assert not bank.acq.acquire(long, 30, 10).cached  # read again, whole, on request
 
 
+def test_the_worker_survives_a_fault_around_a_pass(small_bank):
+    """An unexpected error in the worker's own steps (here binding a new slot) fails that pass's
+    callers with INTERNAL, gives a part-read document's slot back, and the worker serves on."""
+    from kev.serving.errors import Internal
+
+    bank = small_bank
+    used = bank.store.stats().slots_used
+    real_bind = bank.store.bind
+    long = tokens(8, 100)
+
+    def bind(handle, fingerprint):
+        if bank.held.passes and len(bank.held.passes) >= 2:  # the pass after the long one's first piece
+            raise RuntimeError("shared memory gone")
+        return real_bind(handle, fingerprint)
+
+    bank.store.bind = bind
+    (threads, results), (more, more_results) = queue_behind_a_pass(bank, [tokens(9, 40), long, tokens(10, 30)])
+    bank.held.release()
+    for t in threads + more:
+        t.join(10)
+    assert not isinstance(results[0], Exception) and not isinstance(more_results[0], Exception)
+    assert isinstance(more_results[1], Internal) and "shared memory gone" in str(more_results[1])
+    assert isinstance(more_results[2], Internal)
+    assert bank.held.passes == [[10], [40, 64]]
+    assert bank.store.stats().slots_used == used + 2  # the first two documents'; the long one's went back
+    bank.store.bind = real_bind
+    assert not bank.acq.acquire(long, 30, 10).cached  # served on
+
+
 # ---- the whole path ----------------------------------------------------------------------------
 
 
