@@ -26,12 +26,10 @@ picks are copied out right after its replay, in stream order).
 from __future__ import annotations
 
 import enum
-from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import accumulate
 from typing import TYPE_CHECKING, Protocol
 
 import torch

@@ -40,7 +40,7 @@ import torch
 
 from kev.bank.bank import Bank, BankHandle
 from kev.exec.batch import RowBatch
-from kev.exec.graphs import CapturePolicy, GraphCache, GraphStats, KeyLadder, PickHead
+from kev.exec.graphs import GraphCache, GraphStats, KeyLadder, PickHead
 from kev.exec.memory import state_pass_peak_bytes
 from kev.exec.plan import GraphPlan, PassRole
 from kev.exec.static_pass import CHUNK, GraphKey, PassKind
@@ -82,7 +82,7 @@ class Passes:
         each of `documents` begins in its slot's document (default 0: a new document); a part
         starting later continues the states an earlier pass left in the slot (the bank splits a
         document across passes: bank_service/acquire.py). A part that does not end its document
-        should end on a multiple of `SPLIT_ALIGN` tokens (`split_point`)."""
+        ends on a whole number of delta-rule chunks (`piece_tokens`)."""
         for h in handles:
             self.bank.check(h)
         starts = [0] * len(documents) if starts is None else list(starts)
