@@ -284,6 +284,8 @@ class Acquirer:
         try:
             self.passes.state_pass([p.tokens for p in run], [p.job.handle for p in run], [p.start for p in run])
             launched, cpu = time.perf_counter(), time.thread_time() - cpu_start
+            self._evict_ahead(self._next_documents())  # Redis while the GPU runs the pass
+            evicted = time.perf_counter()
             self.passes.synchronize()  # the states are on the GPU before any scorer hears of them
         except Exception as e:
             log.exception("state pass failed")
@@ -291,9 +293,10 @@ class Acquirer:
                 self._fail(piece.job, Internal(f"state pass failed: {e}"))  # gives its slot back
             return
         m, end = self.metrics, time.perf_counter()
-        m.state_pass_seconds.observe(end - start)
+        m.state_pass_seconds.observe(end - start - (evicted - launched))
         m.state_pass_steps.labels(step="launch").inc(launched - start)
-        m.state_pass_steps.labels(step="device_wait").inc(end - launched)
+        m.state_pass_steps.labels(step="directory").inc(evicted - launched)
+        m.state_pass_steps.labels(step="device_wait").inc(end - evicted)
         m.state_pass_cpu_seconds.inc(cpu)
         m.state_passes.inc()
         m.state_pass_documents.inc(len(run))
@@ -303,6 +306,38 @@ class Acquirer:
         self._requeue([p.job for p in run if not p.last])
         self._finish([(p.job, LiveEntry(p.job.handle, len(p.job.tokens)), True) for p in run if p.last])
         m.state_pass_steps.labels(step="directory").inc(time.perf_counter() - end)
+
+    def _next_documents(self) -> list[int]:
+        """The lengths of the new documents the next pass would take, roughly: those queued now
+        without a slot, in order, up to the pass caps."""
+        lens: list[int] = []
+        with self._cv:
+            for job in self._queue:
+                if len(lens) >= self.max_pass_documents or sum(lens) >= self.max_pass_tokens:
+                    break
+                if job.handle is None:
+                    lens.append(len(job.tokens))
+        return lens
+
+    def _evict_ahead(self, doc_lens: list[int]) -> None:
+        """Evicts least-recently-used unpinned entries until documents of `doc_lens` tokens fit,
+        while the GPU runs a pass (for the documents queued for the next): a full bank (any
+        long-running one) would otherwise ask Redis between its passes, the GPU idle meanwhile.
+        Only for documents already waiting: evicting for ones that may come (an idle reserve) would
+        cost entries a repeat could still hit. Best effort: a Redis fault, or nothing evictable,
+        leaves it to `_alloc`."""
+        for _ in range(4):  # a few entries' pages may not make up one long document's
+            slots, pages = self.bank.shortfall(doc_lens)
+            if not (slots or pages):
+                return
+            try:
+                victims = self.directory.evict_if_unpinned(max(slots, 1))
+            except DirectoryUnavailable:
+                return
+            if not victims:
+                return
+            for victim in victims:
+                self._drop(victim)
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Documents part-way through go back to the queue's front, in order, for their next piece;

@@ -9,6 +9,7 @@ its entry can never read the slot's next tenant.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,13 @@ class Bank:
             if pages:
                 self.block_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             return BankHandle(slot, self.generations[slot])
+
+    def shortfall(self, doc_lens: Sequence[int]) -> tuple[int, int]:
+        """(slots, K/V pages) missing for documents of `doc_lens` tokens to be allocated now; (0, 0):
+        they all fit."""
+        need = sum(-(-n // self.block_size) for n in doc_lens) if self.pools.keys else 0
+        with self._lock:
+            return max(0, len(doc_lens) - len(self._free_slots)), max(0, need - len(self._free_blocks))
 
     def free(self, handle: BankHandle) -> None:
         with self._lock:

@@ -285,8 +285,9 @@ class HeldStatePasses:
         self.gate.set()
 
 
-def started_bank(loaded, redis_server, namespace: str, max_pass_tokens: int):
-    store = Bank.from_budget(loaded.model.cfg, 4 << 20, avg_doc_tokens=64, max_doc_tokens=512)
+def started_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slots: int | None = None):
+    store = (Bank.from_budget(loaded.model.cfg, 4 << 20, avg_doc_tokens=64, max_doc_tokens=512) if slots is None
+             else Bank.allocate(loaded.model.cfg, num_slots=slots, num_blocks=slots * 2, block_size=64, max_doc_tokens=128))
     passes = PassBuilder(loaded.model, get_ops("torch"), PassRole.STATES, GraphPlan()).build(store)
     held = HeldStatePasses(passes)
     directory = Directory(redis_server.client(), loaded.model_id, namespace)
@@ -521,6 +522,36 @@ def test_the_worker_survives_a_fault_around_a_pass(small_bank):
     assert bank.store.stats().slots_used == used + 2  # the first two documents'; the long one's went back
     bank.store.bind = real_bind
     assert not bank.acq.acquire(long, 30, 10).cached  # served on
+
+
+def test_a_full_bank_evicts_for_the_next_pass_while_this_one_runs(loaded, redis_server):
+    """Three slots, all holding released entries: the document of the next pass, queued during
+    this one, gets its room (the least recently used entry) while this pass is on the device,
+    before this pass's registration, not between the passes."""
+    bank = started_bank(loaded, redis_server, "ahead", 16384, slots=3)
+    try:
+        for i in (1, 2, 3):
+            bank.acq.release(bank.acq.acquire(tokens(40 + i), 30, 10).lease.lease_id)
+        events = []
+        evict, register = bank.directory.evict_if_unpinned, bank.directory.register_many
+        bank.directory.evict_if_unpinned = lambda n, **kw: events.append(("evict", n)) or evict(n, **kw)
+        bank.directory.register_many = lambda regs: events.append(("register", len(regs))) or register(regs)
+        real = bank.held.real
+        bank.held.real = lambda docs, handles, starts=None: events.append(("pass", len(docs))) or real(docs, handles, starts)
+        bank.held.hold = True
+        first = in_threads(bank.acq.acquire, [(tokens(44), 30, 10)])
+        assert bank.held.inside.wait(5)
+        more = in_threads(bank.acq.acquire, [(tokens(45), 30, 10)])
+        wait_until(lambda: len(bank.acq._queue) == 1, "the next document queued")
+        bank.held.release()
+        for t in first[0] + more[0]:
+            t.join(10)
+        assert all(not isinstance(r, Exception) for r in first[1] + more[1])
+        assert events == [("evict", 1), ("pass", 1), ("evict", 1), ("register", 1), ("pass", 1), ("register", 1)]
+        assert bank.acq.evictions == 2 and bank.store.stats().slots_used == 3
+    finally:
+        bank.held.release()
+        bank.acq.stop()
 
 
 # ---- the whole path ----------------------------------------------------------------------------
