@@ -445,6 +445,15 @@ class Acquirer:
         h = entry.handle
         failure = next((r for r in results if isinstance(r, Exception)), None)
         registered = not new or (not unsure and any(not isinstance(r, Exception) for r in results))
+        if failure is not None:
+            if isinstance(failure, DirectoryConflict):
+                log.error("registering %s at %s: %s", job.doc_key, h, failure)
+            if isinstance(failure, DirectoryConflict) or (unsure and new):
+                self.request_reconcile()
+            if not registered:  # nobody can reach the state (every waiter fails below): the slot goes
+                with self._lock:  # back before any caller hears of the failure
+                    self._live.pop(job.doc_key, None)
+                self.bank.free(h)
         failed = False
         for waiter, r in zip(active, results[: len(active)], strict=True):  # (none: the one unpinned)
             failed = failed or isinstance(r, Exception)
@@ -454,16 +463,6 @@ class Acquirer:
                 waiter.fail(Unavailable(f"directory: {failure}"))
             elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r)):
                 self._release_quietly(r.lease_id)
-        if failure is None:
-            return
-        if isinstance(failure, DirectoryConflict):
-            log.error("registering %s at %s: %s", job.doc_key, h, failure)
-        if isinstance(failure, DirectoryConflict) or (unsure and new):
-            self.request_reconcile()
-        if not registered:  # nobody can reach the state: give the slot back
-            with self._lock:
-                self._live.pop(job.doc_key, None)
-            self.bank.free(h)
 
     def _fail(self, job: Job, error: ServiceError) -> None:
         with self._cv:
