@@ -311,12 +311,14 @@ class Acquirer:
         """The lengths of the new documents the next pass would take, roughly: those queued now
         without a slot, in order, up to the pass caps."""
         lens: list[int] = []
+        tokens = 0
         with self._cv:
             for job in self._queue:
-                if len(lens) >= self.max_pass_documents or sum(lens) >= self.max_pass_tokens:
+                if len(lens) >= self.max_pass_documents or tokens >= self.max_pass_tokens:
                     break
                 if job.handle is None:
                     lens.append(len(job.tokens))
+                    tokens += lens[-1]
         return lens
 
     def _evict_ahead(self, doc_lens: list[int]) -> None:
@@ -331,13 +333,11 @@ class Acquirer:
             if not (slots or pages):
                 return
             try:
-                victims = self.directory.evict_if_unpinned(max(slots, 1))
-            except DirectoryUnavailable:
+                if not self._evict(max(slots, 1)):
+                    return
+            except Exception as e:  # noqa: BLE001 - best effort beside a running pass, never its failure
+                log.warning("eviction ahead of the next pass failed: %s", e)
                 return
-            if not victims:
-                return
-            for victim in victims:
-                self._drop(victim)
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Documents part-way through go back to the queue's front, in order, for their next piece;
@@ -386,12 +386,17 @@ class Acquirer:
             try:
                 return self.bank.alloc(tokens)
             except BankFull:
-                victims = self.directory.evict_if_unpinned(max(1, wanted))
-                wanted = 1
-                if not victims:
+                if not self._evict(max(1, wanted)):
                     raise
-                for victim in victims:
-                    self._drop(victim)
+                wanted = 1
+
+    def _evict(self, count: int) -> bool:
+        """Evicts up to `count` least-recently-used unpinned entries and frees their slots; False:
+        none could go (every entry pinned)."""
+        victims = self.directory.evict_if_unpinned(count)
+        for victim in victims:
+            self._drop(victim)
+        return bool(victims)
 
     def _drop(self, victim: DirectoryEntry) -> None:
         handle = BankHandle(victim.slot, victim.generation)

@@ -11,6 +11,7 @@ completes (on the GPU its CUDA event), the bank's state pass blocks until the te
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -285,7 +286,9 @@ class HeldStatePasses:
         self.gate.set()
 
 
-def started_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slots: int | None = None):
+@contextlib.contextmanager
+def running_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slots: int | None = None):
+    """An Acquirer over torch state passes (`HeldStatePasses`), started, stopped on the way out."""
     store = (Bank.from_budget(loaded.model.cfg, 4 << 20, avg_doc_tokens=64, max_doc_tokens=512) if slots is None
              else Bank.allocate(loaded.model.cfg, num_slots=slots, num_blocks=slots * 2, block_size=64, max_doc_tokens=128))
     passes = PassBuilder(loaded.model, get_ops("torch"), PassRole.STATES, GraphPlan()).build(store)
@@ -294,24 +297,24 @@ def started_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slo
     acq = Acquirer(passes, store, directory, BankMetrics(store.stats), lease_s=30, max_wait_s=WINDOW_S,
                    max_pass_tokens=max_pass_tokens, max_pass_documents=64, epoch_check_s=1)
     acq.start()
-    return SimpleNamespace(acq=acq, held=held, directory=directory, store=store, passes=passes)
+    try:
+        yield SimpleNamespace(acq=acq, held=held, directory=directory, store=store, passes=passes)
+    finally:
+        held.release()
+        acq.stop()
 
 
 @pytest.fixture
 def bank(loaded, redis_server):
-    started = started_bank(loaded, redis_server, "idle", 16384)
-    yield started
-    started.held.release()
-    started.acq.stop()
+    with running_bank(loaded, redis_server, "idle", 16384) as started:
+        yield started
 
 
 @pytest.fixture
 def small_bank(loaded, redis_server):
     """A bank whose state passes hold 128 document tokens at most."""
-    started = started_bank(loaded, redis_server, "small", 128)
-    yield started
-    started.held.release()
-    started.acq.stop()
+    with running_bank(loaded, redis_server, "small", 128) as started:
+        yield started
 
 
 def tokens(i: int, n: int = 20) -> list[int]:
@@ -528,8 +531,7 @@ def test_a_full_bank_evicts_for_the_next_pass_while_this_one_runs(loaded, redis_
     """Three slots, all holding released entries: the document of the next pass, queued during
     this one, gets its room (the least recently used entry) while this pass is on the device,
     before this pass's registration, not between the passes."""
-    bank = started_bank(loaded, redis_server, "ahead", 16384, slots=3)
-    try:
+    with running_bank(loaded, redis_server, "ahead", 16384, slots=3) as bank:
         for i in (1, 2, 3):
             bank.acq.release(bank.acq.acquire(tokens(40 + i), 30, 10).lease.lease_id)
         events = []
@@ -549,9 +551,6 @@ def test_a_full_bank_evicts_for_the_next_pass_while_this_one_runs(loaded, redis_
         assert all(not isinstance(r, Exception) for r in first[1] + more[1])
         assert events == [("evict", 1), ("pass", 1), ("evict", 1), ("register", 1), ("pass", 1), ("register", 1)]
         assert bank.acq.evictions == 2 and bank.store.stats().slots_used == 3
-    finally:
-        bank.held.release()
-        bank.acq.stop()
 
 
 # ---- the whole path ----------------------------------------------------------------------------
