@@ -202,11 +202,12 @@ class BankService:
                     return False
         self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
-        self.ready.set()
-        self.server.set_serving(True)
+        # Logged before health says SERVING: whoever waits on health (kev.stack) then finds the line.
         log.info("serving %s as node %s (metrics port %s; %d start-up objects frozen out of GC scans)",
                  SERVICE_NAME, cfg.node, cfg.metrics_port or "off", frozen)
         log.info("start-up: ready in %.1f s", time.perf_counter() - t0)
+        self.ready.set()
+        self.server.set_serving(True)
         return True
 
     def _warm_up(self, passes: Passes, bank) -> None:

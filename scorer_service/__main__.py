@@ -132,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         ready, failed = False, True
     if ready:
         frozen = freeze_startup_heap()  # full GC scans skip the start-up heap from here (kev/serving/interpreter.py)
-        server.set_serving(True)
+        # Logged before health says SERVING: whoever waits on health (kev.stack) then finds the line.
         log.info("serving (ready after %.1f s; %d start-up objects frozen out of GC scans)",
                  time.perf_counter() - start, frozen)
         log.info("start-up: ready in %.1f s", time.perf_counter() - start)
+        server.set_serving(True)
         stop.wait()
 
     log.info("draining")
