@@ -13,8 +13,10 @@
     queue's front, as does a document longer than a chunk after each chunk; allocates a slot per new
     document at its first piece (evicting LRU unpinned entries when full; with every entry pinned the document goes
     back to the queue's front and is retried every SPACE_RETRY_S until full_wait after its arrival,
-    as the requests holding the pins finish), runs ONE state pass for the batch,
-    waits for the GPU to finish it (a scorer reads the states from its own process), then
+    as the requests holding the pins finish), runs ONE state pass for the batch (an idle sweep
+    instead when the pass holds one new document alone, nothing is queued behind it and its caller
+    brought its question rows: the document and the rows in one sweep, the rows' answers returned
+    with the handle, `_sweeper`), waits for the GPU to finish it (a scorer reads the states from its own process), then
     registers each finished entry READY with a pin per waiter (register(..., pin_lease_s)).
     Idle (nothing queued), it captures one queued CUDA graph at a time (kev/exec/passes.py; CUDA only).
 
@@ -35,11 +37,13 @@ from collections.abc import Callable, Sequence
 from kev.bank.bank import Bank, BankFull, BankHandle
 from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable, Registration
 from kev.bank.doc_key import document_key, key_fingerprint
+from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
+from kev.request.answers import option_probabilities
 
 from kev.serving.errors import DeadlineExceeded, Exhausted, Internal, ServiceError, Unavailable
 
-from bank_service.jobs import Acquired, Job, LiveEntry, Piece, Waiter
+from bank_service.jobs import Acquired, Job, LiveEntry, Piece, SweepLimits, SweepRows, Waiter
 from bank_service.metrics import BankMetrics
 
 log = logging.getLogger(__name__)
@@ -51,9 +55,10 @@ SPACE_RETRY_S = 0.01
 
 class Acquirer:
     def __init__(self, passes: Passes, bank: Bank, directory: Directory, metrics: BankMetrics, *,
-                 lease_s: float, max_wait_s: float, max_pass_tokens: int, max_pass_documents: int,
+                 sweeps: SweepLimits | None = None, lease_s: float, max_wait_s: float, max_pass_tokens: int, max_pass_documents: int,
                  epoch_check_s: float, full_wait_s: float = 0.0):
         self.passes, self.bank, self.directory, self.metrics = passes, bank, directory, metrics
+        self.sweeps = sweeps  # None: callers' rows are ignored (`_sweeper`)
         self.model_id = directory.model_id
         self.lease_s = lease_s
         # The cap of a wait for companions while a state pass is in flight (--max-wait-ms). This
@@ -98,7 +103,9 @@ class Acquirer:
     # -- callers' side ------------------------------------------------------------------------
 
     def acquire(self, tokens: Sequence[int], lease_s: float, timeout_s: float | None,
-                is_active: Callable[[], bool] = lambda: True) -> Acquired:
+                is_active: Callable[[], bool] = lambda: True, rows: SweepRows | None = None) -> Acquired:
+        """The document's pinned handle; with `rows`, their answers too (`Acquired.probabilities`)
+        when the document is new and its pass runs it alone (`_sweeper`)."""
         start = time.perf_counter()
         doc_key = document_key(self.model_id, tokens)
         try:
@@ -119,7 +126,8 @@ class Acquirer:
             log.error("directory entry %s -> %s disagrees with the bank (%s); reconciling", doc_key, handle, live)
             self._release_quietly(lease.lease_id)
             self.request_reconcile()
-        waiter = Waiter(lease_s)
+        waiter = Waiter(lease_s, rows if rows is not None and self.sweeps is not None and self.sweeps.admit(rows)
+                        else None)
         self._submit(doc_key, list(tokens), waiter)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not waiter.done.wait(0.05):
@@ -281,12 +289,20 @@ class Acquirer:
             return
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.metrics.state_pass_steps.labels(step="directory").inc(start - directory_start)
+        sweeper = self._sweeper(run)
         try:
-            self.passes.state_pass([p.tokens for p in run], [p.job.handle for p in run], [p.start for p in run])
+            if sweeper is not None:
+                probs = self._sweep(run[0], sweeper.rows)
+            else:
+                self.passes.state_pass([p.tokens for p in run], [p.job.handle for p in run], [p.start for p in run])
             launched, cpu = time.perf_counter(), time.thread_time() - cpu_start
             self._evict_ahead(self._next_documents())  # Redis while the GPU runs the pass
             evicted = time.perf_counter()
             self.passes.synchronize()  # the states are on the GPU before any scorer hears of them
+            if sweeper is not None:
+                sweeper.probabilities = probs.tolist()
+                self.metrics.sweeps.inc()
+                self.metrics.sweep_rows.inc(len(sweeper.rows.ids))
         except Exception as e:
             log.exception("state pass failed")
             for piece in run:
@@ -306,6 +322,29 @@ class Acquirer:
         self._requeue([p.job for p in run if not p.last])
         self._finish([(p.job, LiveEntry(p.job.handle, len(p.job.tokens)), True) for p in run if p.last])
         m.state_pass_steps.labels(step="directory").inc(time.perf_counter() - end)
+
+    def _sweeper(self, run: list[Piece]) -> Waiter | None:
+        """The waiter whose rows this pass answers too: only a pass of one new document, read whole
+        in one sweep, with nothing else queued (an idle bank: under load the rows would slow the
+        pass that others wait for), and the first of its callers that brought rows."""
+        if self.sweeps is None or len(run) != 1:
+            return None
+        piece = run[0]
+        if piece.start != 0 or not piece.last or not self.passes.fits_one_sweep([piece.tokens]):
+            return None
+        with self._cv:
+            if self._queue:
+                return None
+            return next((w for w in piece.job.waiters if w.rows is not None and not w.abandoned), None)
+
+    def _sweep(self, piece: Piece, rows: SweepRows):
+        """The document's state pass and `rows` (continuing it) in one sweep, then the head: [O]
+        option probabilities on the device, rows in order."""
+        handle, n = piece.job.handle, len(rows.ids)
+        batch = RowBatch.build(rows.ids, [handle] * n, [len(piece.job.tokens)] * n, rows.picks,
+                               device=self.passes.device)
+        hidden = self.passes.sweep([piece.tokens], [handle], batch)
+        return option_probabilities(self.sweeps.head, hidden, [len(p) - 1 for p in rows.picks])
 
     def _next_documents(self) -> list[int]:
         """The lengths of the new documents the next pass would take, roughly: those queued now
@@ -466,7 +505,7 @@ class Acquirer:
                 if not isinstance(r, Exception):
                     self._release_quietly(r.lease_id)
                 waiter.fail(Unavailable(f"directory: {failure}"))
-            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r)):
+            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r, waiter.probabilities)):
                 self._release_quietly(r.lease_id)
 
     def _fail(self, job: Job, error: ServiceError) -> None:

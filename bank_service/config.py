@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kev.exec.plan import GraphPlan
+from kev.exec.plan import GraphPlan, PassRole
 from kev.serving import settings
 from kev.serving.settings import ConfigError, check_server_security, env_field, flag_field
 
@@ -64,6 +64,13 @@ class BankConfig:
     full_wait_ms: float = 30000.0
     max_pass_tokens: int = 16384  # document tokens per state pass at most (a longer document goes a chunk a pass)
     max_pass_documents: int = 64
+    # Idle sweeps (docs/decisions.md, "Batch windows"): an Acquire that brings its request's rows to
+    # an idle bank gets the document and those rows read in one sweep, up to these many rows and
+    # row tokens (more go the usual way: the scorer's row pass). 0 rows or tokens: no sweeps. The
+    # sweep saves one pass's fixed cost (the weights read once more, ~700 kernels), which matters
+    # for a request a pass of its own would hardly fill, not for one of thousands of row tokens.
+    sweep_rows: int = 32
+    sweep_row_tokens: int = 2048
     max_lease_seconds: float = 120.0  # longest lease a caller may ask for (issue 27: was 3600)
     grpc_workers: int = 64  # concurrent RPCs (Acquire blocks while its state pass runs)
     epoch_check_s: float = 1.0  # how often the bank checks that Redis still holds its epoch (idle or busy)
@@ -90,6 +97,8 @@ class BankConfig:
                      "max_pass_documents", "grpc_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.sweep_rows < 0 or self.sweep_row_tokens < 0:
+            raise ConfigError("--sweep-rows and --sweep-row-tokens must be >= 0 (0: no idle sweeps)")
         if self.max_wait_ms < 0 or self.full_wait_ms < 0 or self.epoch_check_s <= 0 or self.grace_s < 0:
             raise ConfigError("--max-wait-ms, --full-wait-ms and --grace-s must be >= 0, --epoch-check-s > 0")
         if self.switch_interval_ms < 0:
@@ -108,10 +117,23 @@ class BankConfig:
         return self.ops or ("torch" if self.device == "cpu" else "triton")
 
     @property
+    def sweeps(self) -> bool:
+        """Whether the bank runs idle sweeps (a document and its request's rows in one pass)."""
+        return self.sweep_rows > 0 and self.sweep_row_tokens > 0
+
+    @property
+    def pass_role(self) -> PassRole:
+        """STATES; BOTH with idle sweeps (their rows' keys: `graph_plan`)."""
+        return PassRole.BOTH if self.sweeps else PassRole.STATES
+
+    @property
     def graph_plan(self) -> GraphPlan:
-        """What the state passes capture on CUDA (ignored on CPU)."""
+        """What the passes capture on CUDA (ignored on CPU): every state pass key at start-up; with
+        sweeps, the row keys up to the sweep caps at their first use (only an idle bank sweeps)."""
+        rows = dict(row_tokens=self.sweep_row_tokens, row_seqs=self.sweep_rows, rows_at_first_use=True) \
+            if self.sweeps else {}
         return settings.graph_plan(cuda_graphs=self.cuda_graphs, warm_classes=self.warm_classes,
-                                   state_tokens=self.max_pass_tokens, state_seqs=self.max_pass_documents)
+                                   state_tokens=self.max_pass_tokens, state_seqs=self.max_pass_documents, **rows)
 
     def redacted(self) -> dict:
         """Every field for the start-up log, with the Redis password masked."""

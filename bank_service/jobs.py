@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kev.bank.bank import BankHandle
 from kev.bank.directory import Lease
+from kev.request.head import DecisionHead
 from kev.serving.errors import ServiceError
 
 
@@ -19,6 +20,32 @@ class Acquired:
     length: int
     cached: bool  # the state was in the bank already: no state pass ran for this call
     lease: Lease
+    probabilities: list[float] | None = None  # the caller's rows answered in the document's sweep
+
+
+@dataclass(frozen=True)
+class SweepRows:
+    """An Acquire's question rows (AcquireRequest.rows): each row's token ids and its picks
+    ([decide, option ends...])."""
+
+    ids: list[list[int]]
+    picks: list[list[int]]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.ids)
+
+
+@dataclass(frozen=True, eq=False)
+class SweepLimits:
+    """The bank's idle sweeps: the most rows and row tokens one takes, and the head that answers them."""
+
+    rows: int
+    row_tokens: int
+    head: DecisionHead
+
+    def admit(self, rows: SweepRows) -> bool:
+        return len(rows.ids) <= self.rows and rows.tokens <= self.row_tokens
 
 
 @dataclass(frozen=True)
@@ -30,8 +57,10 @@ class LiveEntry:
 class Waiter:
     """One Acquire call waiting for its document's state pass."""
 
-    def __init__(self, lease_s: float):
+    def __init__(self, lease_s: float, rows: SweepRows | None = None):
         self.lease_s = lease_s
+        self.rows = rows  # to answer in the document's sweep if the bank is idle (else ignored)
+        self.probabilities: list[float] | None = None  # set when they were
         self.done = threading.Event()
         self.result: Acquired | None = None
         self.error: ServiceError | None = None

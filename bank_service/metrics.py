@@ -38,6 +38,9 @@ class BankMetrics:
         self.state_pass_seconds = Histogram(
             "kev_bank_state_pass_seconds", "Wall time of one state pass", registry=r,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
+        self.sweeps = Counter("kev_bank_sweeps", "State passes that answered their caller's rows too (idle sweeps)",
+                              registry=r)
+        self.sweep_rows = Counter("kev_bank_sweep_rows", "Question rows answered in idle sweeps", registry=r)
         self.acquires = Counter("kev_bank_acquires", "Acquire calls by result", ["result"], registry=r)
         self.acquire_seconds = Histogram(
             "kev_bank_acquire_seconds", "Acquire latency (hits and state passes)", ["cached"], registry=r,

@@ -25,7 +25,6 @@ from kev.bank.directory import Directory, DirectoryUnavailable, connect
 from kev.loading import LoadedModel
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.ops import get_ops
-from kev.exec.plan import PassRole
 from kev.exec.passes import PassBuilder, Passes
 from kev.exec.memory import check_memory_plan, memory_plan
 from kev.model.checkpoint import read_config
@@ -38,6 +37,7 @@ from kev.v1 import bank_pb2 as pb
 from kev.v1 import bank_pb2_grpc
 
 from bank_service.acquire import Acquirer
+from bank_service.jobs import SweepLimits, SweepRows
 from bank_service.config import BankConfig
 from bank_service.metrics import BankMetrics
 
@@ -64,6 +64,26 @@ def parse_tokens(raw: bytes, max_tokens: int, vocab_size: int) -> list[int]:
     return ids.tolist()
 
 
+def parse_rows(rows, vocab_size: int) -> SweepRows:
+    """AcquireRequest.rows -> `SweepRows`, or INVALID_ARGUMENT naming the field: every row non-empty,
+    its tokens in the vocabulary, its picks a <decide> and at least one option end inside it."""
+    ids, picks = [], []
+    for i, row in enumerate(rows):
+        field = f"rows[{i}]"
+        raw = row.token_ids_le_i32
+        if not raw or len(raw) % 4:
+            raise InvalidArgument(f"{field}.token_ids_le_i32: {len(raw)} bytes is not a non-empty row of int32 token ids")
+        tokens = np.frombuffer(raw, dtype="<i4")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+            raise InvalidArgument(f"{field}.token_ids_le_i32: a token id is outside the vocabulary [0, {vocab_size})")
+        if len(row.picks) < 2 or max(row.picks) >= len(tokens):
+            raise InvalidArgument(f"{field}.picks: needs a <decide> and at least one option end, each inside "
+                                  f"the row's {len(tokens)} tokens, got {list(row.picks)}")
+        ids.append(tokens.tolist())
+        picks.append(list(row.picks))
+    return SweepRows(ids, picks)
+
+
 class BankServicer(bank_pb2_grpc.BankServicer):
     def __init__(self, service: "BankService"):
         self.service = service
@@ -80,12 +100,13 @@ class BankServicer(bank_pb2_grpc.BankServicer):
             if request.model != s.model_id:
                 raise InvalidArgument(f"model: {request.model!r} is not served here (this bank serves {s.model_id!r})")
             tokens = parse_tokens(request.token_ids_le_i32, cfg.max_document_tokens, s.vocab_size)
+            rows = parse_rows(request.rows, s.vocab_size) if request.rows else None
             lease_s = request.lease_ms / 1000 if request.lease_ms else cfg.lease_seconds
             if lease_s > cfg.max_lease_seconds:
                 raise InvalidArgument(f"lease_ms: {request.lease_ms} is over the limit of {cfg.max_lease_seconds * 1000:.0f}")
             remaining = context.time_remaining()
             timeout = MAX_WAIT_S if remaining is None else min(remaining, MAX_WAIT_S)
-            got = s.acquirer.acquire(tokens, lease_s, timeout, context.is_active)
+            got = s.acquirer.acquire(tokens, lease_s, timeout, context.is_active, rows=rows)
         except ServiceError as e:
             s.metrics.acquires.labels(result=e.label).inc()
             abort(context, e)
@@ -93,7 +114,8 @@ class BankServicer(bank_pb2_grpc.BankServicer):
         return pb.AcquireResponse(
             handle=pb.Handle(slot=got.handle.slot, generation=got.handle.generation),
             document_length=got.length, cached=got.cached, lease_id=got.lease.lease_id,
-            lease_expires_unix_ms=got.lease.expires_at_ms, doc_key=got.doc_key)
+            lease_expires_unix_ms=got.lease.expires_at_ms, doc_key=got.doc_key,
+            swept=got.probabilities is not None, row_probabilities=got.probabilities or ())
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         s = self._ready(context)
@@ -154,7 +176,7 @@ class BankService:
         t0 = time.perf_counter()
         # Memory plan (kev/exec/memory.py): weights + bank + workspaces + graphs against the GPU's
         # free memory, before any weight is read; MemoryPlanError names every part when it cannot fit.
-        check_memory_plan(memory_plan(read_config(cfg.checkpoint), PassRole.STATES, cfg.graph_plan,
+        check_memory_plan(memory_plan(read_config(cfg.checkpoint), cfg.pass_role, cfg.graph_plan, who="bank",
                                       bank_bytes=cfg.memory_bytes, max_doc_tokens=cfg.max_document_tokens,
                                       block_size=cfg.block_size, dtype=torch.float32 if cfg.device == "cpu"
                                       else torch.bfloat16), cfg.device)
@@ -178,7 +200,7 @@ class BankService:
         bank = self.shared.bank
         ops = get_ops(cfg.ops_backend)
         # On CUDA: class-tuned, warmed, every state-pass key captured (kev/exec/passes.py); on CPU a Passes.
-        passes = PassBuilder(loaded.model, ops, PassRole.STATES, cfg.graph_plan).build(bank)
+        passes = PassBuilder(loaded.model, ops, cfg.pass_role, cfg.graph_plan).build(bank)
         self._warm_up(passes, bank)
         st = bank.stats()
         log.info("model %s loaded on %s (%s, ops %s) in %.1f s; bank: %d slots, %d blocks of %d tokens, %d bytes, %s",
@@ -188,7 +210,8 @@ class BankService:
         self.metrics = BankMetrics(bank.stats)
         self.metrics.registry.register(GraphCollector("kev_bank", lambda: passes.graphs.stats if passes.graphs else None))
         self.directory = Directory(connect(cfg.redis_url), self.model_id, cfg.node)
-        self.acquirer = Acquirer(passes, bank, self.directory, self.metrics, lease_s=cfg.lease_seconds,
+        sweeps = SweepLimits(cfg.sweep_rows, cfg.sweep_row_tokens, loaded.head) if cfg.sweeps else None
+        self.acquirer = Acquirer(passes, bank, self.directory, self.metrics, sweeps=sweeps, lease_s=cfg.lease_seconds,
                                  max_wait_s=cfg.max_wait_ms / 1000, full_wait_s=cfg.full_wait_ms / 1000,
                                  max_pass_tokens=cfg.max_pass_tokens,
                                  max_pass_documents=cfg.max_pass_documents, epoch_check_s=cfg.epoch_check_s)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -52,6 +53,8 @@ from kev.exec.memory import check_memory_plan, memory_plan
 from kev.exec.plan import PassRole
 from kev.loading import LoadedModel
 from kev.request.errors import InvalidRequest
+from kev.request.prompts import QuestionRow
+from kev.request.rows import row_picks
 from kev.exec.passes import PassBuilder, Passes
 from kev.serving.security import client_channel, read_token
 from kev.v1 import bank_pb2, bank_pb2_grpc
@@ -91,6 +94,7 @@ class DocLease:
     attachment: Attachment
     acquire_ms: float  # time spent getting the handle (includes the bank's state pass on a miss)
     fingerprint: int | None = None  # key_fingerprint of the document: what its slot must hold
+    probabilities: list[float] | None = None  # the rows sent with a miss, answered in the bank's sweep
     renewed_at: float = field(default_factory=time.monotonic)
     released: bool = False
 
@@ -227,8 +231,10 @@ class BankLink:
 
     # ------------------------------------------------------------------------------ handles
 
-    def acquire(self, document_ids, timeout_s: float | None) -> DocLease:
-        """A pinned, confirmed handle for the document (raises ServiceError / InvalidRequest)."""
+    def acquire(self, document_ids, timeout_s: float | None, rows: Sequence[QuestionRow] = ()) -> DocLease:
+        """A pinned, confirmed handle for the document (raises ServiceError / InvalidRequest). On a
+        miss `rows` go with the Acquire: an idle bank answers them in the document's sweep
+        (`DocLease.probabilities`), a busy one ignores them."""
         start = time.perf_counter()
         att = self.attachment()
         key = document_key(self.loaded.model_id, document_ids)
@@ -243,12 +249,15 @@ class BankLink:
                 raise DeadlineExceeded("deadline exceeded before the document's state pass")
             request = bank_pb2.AcquireRequest(model=self.loaded.model_id,
                                               token_ids_le_i32=np.asarray(document_ids, dtype="<i4").tobytes(),
-                                              lease_ms=round(self.config.lease_seconds * 1000))
+                                              lease_ms=round(self.config.lease_seconds * 1000),
+                                              rows=[bank_pb2.SweepRow(token_ids_le_i32=np.asarray(r.prompt.ids, dtype="<i4")
+                                                                      .tobytes(), picks=row_picks(r)) for r in rows])
             # Always a bounded deadline: never more than --bank-timeout-s (a huge value overflows gRPC's).
             resp = self._call(self.stub.Acquire, request, self.config.bank_timeout_s if timeout_s is None
                               else min(timeout_s, self.config.bank_timeout_s))
             lease = DocLease(BankHandle(resp.handle.slot, resp.handle.generation), resp.lease_id,
-                             resp.document_length, resp.cached, att, 0.0)
+                             resp.document_length, resp.cached, att, 0.0,
+                             probabilities=list(resp.row_probabilities) if resp.swept else None)
         self._count_pin(+1)
         try:
             if not self._confirm(att):
@@ -334,7 +343,8 @@ class BankLink:
             return method(request, timeout=timeout_s)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
-            if code == grpc.StatusCode.INVALID_ARGUMENT and isinstance(request, bank_pb2.AcquireRequest):
+            if code == grpc.StatusCode.INVALID_ARGUMENT and isinstance(request, bank_pb2.AcquireRequest) \
+                    and not details.startswith("rows["):  # rows are this scorer's own making
                 raise InvalidRequest("document", f"rejected by the bank: {details}") from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceeded(f"bank call exceeded the deadline: {details}") from None

@@ -116,6 +116,7 @@ class RowBatcher:
         self.max_wait_s, self.max_queue = max_wait_ms / 1000, max_queue
         self._queue: deque[_Waiting] = deque()  # requests with rows waiting, round-robin order
         self._rows = 0  # rows waiting in all
+        self._open = 0  # passes taken from the queue and not yet answered (launching, on the device or read)
         self._cond = threading.Condition()
         self._stopping = False
         # Launched passes whose device work is not known to be done (CUDA only; under _cond): while
@@ -130,6 +131,12 @@ class RowBatcher:
     @property
     def depth(self) -> int:
         return self._rows
+
+    @property
+    def idle(self) -> bool:
+        """No row waiting and no pass open: a request's rows would have the next pass to themselves
+        (the server then sends them with a new document's Acquire: an idle bank sweeps them)."""
+        return self._rows == 0 and self._open == 0
 
     def _share(self, rows: int) -> int:
         """How many of a request's waiting rows count against `max_queue`: at most one pass's."""
@@ -242,6 +249,7 @@ class RowBatcher:
             if not served or served[-1] is not w and w not in served:
                 served.append(w)
         self._rows -= len(picks)
+        self._open += 1  # closed by `_run` once the pass is answered (or failed to launch)
         for w in served:
             self._queue.remove(w)
             if w.rows:
@@ -271,13 +279,22 @@ class RowBatcher:
                 launched = self._launch(rows)
                 if launched is not None:
                     inflight.append(launched)
+                else:
+                    self._close_pass()
             elif inflight:
-                self._finish(inflight.popleft())
+                try:
+                    self._finish(inflight.popleft())
+                finally:
+                    self._close_pass()
             else:
                 self._capture_when_idle()
             # Hold nothing of a pass while waiting for the next: its leases reference their bank's
             # mappings, which must go when that bank does (BankLink._watch_owner).
             rows = launched = None
+
+    def _close_pass(self) -> None:
+        with self._cond:
+            self._open -= 1
 
     def _watch_device(self) -> None:
         """The `kev-row-device` thread: waits for each launched pass's device work (in launch

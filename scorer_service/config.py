@@ -52,6 +52,10 @@ class ScorerConfig:
     max_tokens_per_pass: int = _env("KEV_MAX_TOKENS_PER_PASS", 8192)
     # cap of a row's wait for companions while a row pass is on the device; idle: no wait (batcher.py)
     max_wait_ms: float = _env("KEV_MAX_WAIT_MS", 2.0)
+    # A request for a new document that finds this scorer idle (no rows waiting or running) sends its
+    # rows with the Acquire: an idle bank then answers them in the document's own pass (one sweep
+    # over the weights instead of two passes; docs/decisions.md, "Batch windows")
+    idle_sweeps: bool = _env("KEV_IDLE_SWEEPS", True)
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
     max_questions: int = _env("KEV_MAX_QUESTIONS", 10000)  # per request; more is INVALID_ARGUMENT
     # Bounded memory (scorer_service/admission.py): documents over max tokens x this many characters are

@@ -20,6 +20,8 @@
                                                         this: blocked, on the GIL or in a blocking call)
     kev_scorer_bank_lookups_total{result}    counter    document handles: hit (state in the bank) / miss
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
+    kev_scorer_idle_sweeps_total             counter    requests the bank answered in their new document's sweep
+                                                        (sent while this scorer was idle; no row pass here)
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
     kev_scorer_pins_held                     gauge      directory leases this process holds now
     kev_scorer_wrong_entries_total           counter    directory entries found pointing at another document's
@@ -74,6 +76,8 @@ class ScorerMetrics:
                                           registry=r)
         self.bank_lookups = Counter("kev_scorer_bank_lookups", "Document handles by result", ["result"],
                                     registry=r)
+        self.idle_sweeps = Counter("kev_scorer_idle_sweeps", "Requests answered in their new document's sweep "
+                                   "by the bank", registry=r)
         self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",
                                     registry=r)
         self.bank_occupancy = Gauge("kev_scorer_bank_occupancy", "Used share of the bank", ["resource"],

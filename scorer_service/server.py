@@ -33,6 +33,7 @@ import grpc
 
 from kev.request import api
 from kev.loading import LoadedModel
+from kev.request.answers import request_answers
 from kev.request.errors import InvalidRequest
 from kev.request.prompts import render_document, validate_and_build
 from kev.serving.errors import Cancelled, DeadlineExceeded, ServiceError, Unavailable
@@ -132,17 +133,24 @@ class ScorerService:
         clock.lap("prepare")
         for attempt in (1, 2):
             try:
-                lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic())
+                # Idle, a new document's rows go with its Acquire (an idle bank sweeps them: no row pass here).
+                sweep = prepared.rows if self.config.idle_sweeps and self.batcher.idle else ()
+                lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic(), rows=sweep)
                 clock.lap("acquire")
                 try:
-                    job = self.batcher.submit(prepared, lease)
-                    self._wait(job, context, deadline)
-                    clock.lap("rows")
+                    if lease.probabilities is not None:
+                        answers, rows_ms = request_answers(prepared, lease.probabilities), 0.0
+                        self.metrics.idle_sweeps.inc()
+                    else:
+                        job = self.batcher.submit(prepared, lease)
+                        self._wait(job, context, deadline)
+                        clock.lap("rows")
+                        if job.error is not None:
+                            raise job.error
+                        answers, rows_ms = job.answers, job.model_ms
                 finally:
                     self.link.release(lease)
                     clock.lap("release")
-                if job.error is not None:
-                    raise job.error
                 break
             except StaleAttachment as e:
                 if attempt == 2:
@@ -154,8 +162,8 @@ class ScorerService:
         usage = api.Usage(input_tokens=prepared.input_tokens, cached_state_tokens=doc if lease.cached else 0,
                           document_tokens=doc, truncated=prepared.truncated,
                           unknown_tokens=prepared.unknown_tokens)
-        model_ms = job.model_ms + (0.0 if lease.cached else lease.acquire_ms)
-        return api.ScoreResponse(answers={r.name: job.answers[r.name] for r in prepared.rows}, usage=usage,
+        model_ms = rows_ms + (0.0 if lease.cached else lease.acquire_ms)
+        return api.ScoreResponse(answers={r.name: answers[r.name] for r in prepared.rows}, usage=usage,
                                  model_ms=model_ms, model=self.loaded.model_id)
 
     def _bounded_document(self, request: api.ScoreRequest) -> tuple[api.ScoreRequest, bool]:

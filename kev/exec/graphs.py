@@ -221,6 +221,8 @@ class GraphCache:
         key = SweepKey(state, rows)
         if self.policy is CapturePolicy.ON_FIRST_USE or self._has_graph(key):
             return key
+        if state in self._pending or rows in self._pending:
+            return None  # the two passes capture their queued keys at first use (`_prepare`)
         if self._has_graph(state) and self._has_graph(rows):
             self._count_use(key)
             return None

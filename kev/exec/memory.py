@@ -143,7 +143,7 @@ def _largest_pass(cfg: ModelConfig, passes: list[tuple[int, int]], dtype: torch.
 
 def memory_plan(cfg: ModelConfig, role: PassRole, graphs: GraphPlan | None = None, *, bank_bytes: int = 0,
                 weights_shared: bool = False, dtype: torch.dtype = torch.bfloat16, state_chunk_tokens: int = 8192,
-                max_doc_tokens: int = 65536, block_size: int = 64) -> MemoryPlan:
+                max_doc_tokens: int = 65536, block_size: int = 64, who: str | None = None) -> MemoryPlan:
     """The device memory of one serving process, part by part: the one place the arithmetic lives
     (the bank and the scorer check it at start-up, `bench/memory_budget.py` prints the deployment
     table from it, tests/exec/test_memory_plan.py checks it for every Kev size).
@@ -194,7 +194,7 @@ def memory_plan(cfg: ModelConfig, role: PassRole, graphs: GraphPlan | None = Non
         out = graphs.row_tokens * cfg.hidden_size * torch.empty((), dtype=dtype).element_size() if role.rows else 0
         parts.append(("CUDA-graph pool", pool + statics + out))
     parts.append(("CUDA context and kernels", PROCESS_OVERHEAD_BYTES))
-    who = {"states": "bank", "rows": "scorer", "both": "engine"}[role.value]
+    who = who or {"states": "bank", "rows": "scorer", "both": "engine"}[role.value]
     return MemoryPlan(who, tuple(parts))
 
 

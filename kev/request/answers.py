@@ -45,28 +45,42 @@ class PendingAnswers:
         if self.options is not None:
             every = probs.tolist()
             probs = [every[i] for i in self.options]
-        flat = answers(self.questions, probs, self.counts)
-        out, k = [], 0
-        for req in self.prepared:
-            out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
-            k += len(req.rows)
-        return out
+        return _per_request(self.prepared, answers(self.questions, probs, self.counts))
 
 
-def _layout(prepared: Sequence[PreparedRequest]) -> tuple[list, list[int], list[int], list[int]]:
-    """(questions, option counts, decide picks, option picks) of a pass's rows, in row order:
-    each row's picks are [decide, option ends...] (kev.request.rows)."""
-    questions, counts, decide_idx, opt_idx = [], [], [], []
-    i = 0
+def request_answers(prepared: PreparedRequest, probs: Sequence[float]) -> dict:
+    """One request's answers (row name -> answer) from its rows' option probabilities, rows in
+    order, one after another (`option_probabilities`; a bank's sweep sends them: bank_service)."""
+    questions, counts = _layout([prepared])
+    if len(probs) != sum(counts):
+        raise ValueError(f"{len(probs)} probabilities for {sum(counts)} options")
+    return _per_request([prepared], answers(questions, probs, counts))[0]
+
+
+def _per_request(prepared: Sequence[PreparedRequest], flat: list) -> list[dict]:
+    out, k = [], 0
     for req in prepared:
-        for row in req.rows:
-            n = len(row.prompt.option_end_indices)
-            questions.append(row.question)
-            counts.append(n)
-            decide_idx.append(i)
-            opt_idx.extend(range(i + 1, i + 1 + n))
-            i += 1 + n
-    return questions, counts, decide_idx, opt_idx
+        out.append({row.name: flat[k + j] for j, row in enumerate(req.rows)})
+        k += len(req.rows)
+    return out
+
+
+def _layout(prepared: Sequence[PreparedRequest]) -> tuple[list, list[int]]:
+    """(questions, option counts) of a pass's rows, in row order."""
+    questions = [row.question for req in prepared for row in req.rows]
+    return questions, [len(row.prompt.option_end_indices) for req in prepared for row in req.rows]
+
+
+def _pick_indices(option_counts: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(decide picks, option picks) of rows whose picks are [decide, option ends...] each, in row
+    order (kev.request.rows)."""
+    decide_idx, opt_idx = [], []
+    i = 0
+    for n in option_counts:
+        decide_idx.append(i)
+        opt_idx.extend(range(i + 1, i + 1 + n))
+        i += 1 + n
+    return decide_idx, opt_idx
 
 
 def launch_rows(passes: Passes, head: DecisionHead, prepared: Sequence[PreparedRequest], batch: RowBatch
@@ -74,11 +88,11 @@ def launch_rows(passes: Passes, head: DecisionHead, prepared: Sequence[PreparedR
     """A pass's rows and their head queued on the device, the answers on their way to the host:
     the decision head inside the row pass's CUDA graph when it has one (`Passes.row_probabilities`:
     one replay and one copy out), else the row pass then `start_answers`."""
-    questions, counts, _, opt_idx = _layout(prepared)
+    questions, counts = _layout(prepared)
     probs = passes.row_probabilities(batch, pick_layout(counts), max(counts, default=0))
     if probs is None:
         return start_answers(head, prepared, passes.row_pass(batch))
-    return PendingAnswers(prepared, questions, counts, *_to_host(probs), options=opt_idx)
+    return PendingAnswers(prepared, questions, counts, *_to_host(probs), options=_pick_indices(counts)[1])
 
 
 def _to_host(probs: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -93,12 +107,18 @@ def _to_host(probs: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
 def start_answers(head: DecisionHead, prepared: Sequence[PreparedRequest], hidden: torch.Tensor) -> PendingAnswers:
     """`answer_rows` in two steps: the head is queued on the device here and its output copied to
     the host without waiting, so the scorer can launch its next pass before it reads this one."""
-    questions, counts, decide_idx, opt_idx = _layout(prepared)
+    questions, counts = _layout(prepared)
+    return PendingAnswers(prepared, questions, counts, *_to_host(option_probabilities(head, hidden, counts)))
+
+
+def option_probabilities(head: DecisionHead, hidden: torch.Tensor, option_counts: Sequence[int]) -> torch.Tensor:
+    """[O] fp32 on `hidden`'s device: each option's probability within its row's question, for rows
+    whose picked states are [decide, option ends...] each, in row order (`hidden`: [P, d])."""
+    decide_idx, opt_idx = _pick_indices(option_counts)
     # Every index the head needs in one host block and one copy (each torch op on the host may wait
     # for the GIL on the scorer's row worker: kev/exec/static_pass.py).
-    seg, col = segments(counts)
+    seg, col = segments(option_counts)
     Q, O = len(decide_idx), len(opt_idx)
     block = to_device(host_int64(chain(decide_idx, opt_idx, seg, col)), hidden.device)
     at_decide, at_opts, seg_t, col_t = block.split([Q, O, O, O])
-    probs = head.probabilities_at(hidden[at_decide], hidden[at_opts], seg_t, col_t, max(counts, default=0))
-    return PendingAnswers(prepared, questions, counts, *_to_host(probs))
+    return head.probabilities_at(hidden[at_decide], hidden[at_opts], seg_t, col_t, max(option_counts, default=0))

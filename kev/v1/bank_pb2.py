@@ -24,37 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kev/v1/bank.proto\x12\x06kev.v1\"*\n\x06Handle\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"K\n\x0e\x41\x63quireRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10token_ids_le_i32\x18\x02 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"\x9c\x01\n\x0f\x41\x63quireResponse\x12\x1e\n\x06handle\x18\x01 \x01(\x0b\x32\x0e.kev.v1.Handle\x12\x17\n\x0f\x64ocument_length\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x05 \x01(\x03\x12\x0f\n\x07\x64oc_key\x18\x06 \x01(\t\"B\n\x0eReleaseRequest\x12\x1e\n\x06handle\x18\x01 \x01(\x0b\x32\x0e.kev.v1.Handle\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1e\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xbb\x01\n\x10TensorDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06stride\x18\x03 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.kev.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12 \n\x07sharing\x18\x07 \x01(\x0e\x32\x0f.kev.v1.Sharing\x12\x12\n\ndescriptor\x18\x08 \x01(\x0c\"\x80\x02\n\x0e\x41ttachResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x12\n\nslot_count\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_count\x18\x06 \x01(\r\x12\'\n\x05pools\x18\x07 \x03(\x0b\x32\x18.kev.v1.TensorDescriptor\x12\x16\n\x0eweights_shared\x18\x08 \x01(\x08\x12)\n\x07weights\x18\t \x03(\x0b\x32\x18.kev.v1.TensorDescriptor\x12\x16\n\x0elayout_version\x18\n \x01(\r\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\rStatsResponse\x12\x12\n\nslots_used\x18\x01 \x01(\r\x12\x13\n\x0bslots_total\x18\x02 \x01(\r\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62locks_total\x18\x04 \x01(\x04\x12\x11\n\tpins_held\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0c\n\x04node\x18\t \x01(\t\x12\x10\n\x08instance\x18\n \x01(\t*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05*C\n\x07Sharing\x12\x17\n\x13SHARING_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43UDA_IPC\x10\x01\x12\x11\n\rSHARED_MEMORY\x10\x02\x32\xed\x01\n\x04\x42\x61nk\x12:\n\x07\x41\x63quire\x12\x16.kev.v1.AcquireRequest\x1a\x17.kev.v1.AcquireResponse\x12:\n\x07Release\x12\x16.kev.v1.ReleaseRequest\x1a\x17.kev.v1.ReleaseResponse\x12\x37\n\x06\x41ttach\x12\x15.kev.v1.AttachRequest\x1a\x16.kev.v1.AttachResponse\x12\x34\n\x05Stats\x12\x14.kev.v1.StatsRequest\x1a\x15.kev.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kev/v1/bank.proto\x12\x06kev.v1\"*\n\x06Handle\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"k\n\x0e\x41\x63quireRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x18\n\x10token_ids_le_i32\x18\x02 \x01(\x0c\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\x12\x1e\n\x04rows\x18\x04 \x03(\x0b\x32\x10.kev.v1.SweepRow\"3\n\x08SweepRow\x12\x18\n\x10token_ids_le_i32\x18\x01 \x01(\x0c\x12\r\n\x05picks\x18\x02 \x03(\r\"\xc6\x01\n\x0f\x41\x63quireResponse\x12\x1e\n\x06handle\x18\x01 \x01(\x0b\x32\x0e.kev.v1.Handle\x12\x17\n\x0f\x64ocument_length\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\x08\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x05 \x01(\x03\x12\x0f\n\x07\x64oc_key\x18\x06 \x01(\t\x12\r\n\x05swept\x18\x07 \x01(\x08\x12\x19\n\x11row_probabilities\x18\x08 \x03(\x02\"B\n\x0eReleaseRequest\x12\x1e\n\x06handle\x18\x01 \x01(\x0b\x32\x0e.kev.v1.Handle\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1e\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xbb\x01\n\x10TensorDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06stride\x18\x03 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x1c\n\x05\x64type\x18\x05 \x01(\x0e\x32\r.kev.v1.DType\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12 \n\x07sharing\x18\x07 \x01(\x0e\x32\x0f.kev.v1.Sharing\x12\x12\n\ndescriptor\x18\x08 \x01(\x0c\"\x80\x02\n\x0e\x41ttachResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x10\n\x08instance\x18\x03 \x01(\t\x12\x12\n\nslot_count\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_count\x18\x06 \x01(\r\x12\'\n\x05pools\x18\x07 \x03(\x0b\x32\x18.kev.v1.TensorDescriptor\x12\x16\n\x0eweights_shared\x18\x08 \x01(\x08\x12)\n\x07weights\x18\t \x03(\x0b\x32\x18.kev.v1.TensorDescriptor\x12\x16\n\x0elayout_version\x18\n \x01(\r\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\rStatsResponse\x12\x12\n\nslots_used\x18\x01 \x01(\r\x12\x13\n\x0bslots_total\x18\x02 \x01(\r\x12\x13\n\x0b\x62locks_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62locks_total\x18\x04 \x01(\x04\x12\x11\n\tpins_held\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0c\n\x04node\x18\t \x01(\t\x12\x10\n\x08instance\x18\n \x01(\t*\\\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0c\n\x08\x42\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\t\n\x05INT32\x10\x04\x12\t\n\x05INT64\x10\x05*C\n\x07Sharing\x12\x17\n\x13SHARING_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43UDA_IPC\x10\x01\x12\x11\n\rSHARED_MEMORY\x10\x02\x32\xed\x01\n\x04\x42\x61nk\x12:\n\x07\x41\x63quire\x12\x16.kev.v1.AcquireRequest\x1a\x17.kev.v1.AcquireResponse\x12:\n\x07Release\x12\x16.kev.v1.ReleaseRequest\x1a\x17.kev.v1.ReleaseResponse\x12\x37\n\x06\x41ttach\x12\x15.kev.v1.AttachRequest\x1a\x16.kev.v1.AttachResponse\x12\x34\n\x05Stats\x12\x14.kev.v1.StatsRequest\x1a\x15.kev.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kev.v1.bank_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1113
-  _globals['_DTYPE']._serialized_end=1205
-  _globals['_SHARING']._serialized_start=1207
-  _globals['_SHARING']._serialized_end=1274
+  _globals['_DTYPE']._serialized_start=1240
+  _globals['_DTYPE']._serialized_end=1332
+  _globals['_SHARING']._serialized_start=1334
+  _globals['_SHARING']._serialized_end=1401
   _globals['_HANDLE']._serialized_start=29
   _globals['_HANDLE']._serialized_end=71
   _globals['_ACQUIREREQUEST']._serialized_start=73
-  _globals['_ACQUIREREQUEST']._serialized_end=148
-  _globals['_ACQUIRERESPONSE']._serialized_start=151
-  _globals['_ACQUIRERESPONSE']._serialized_end=307
-  _globals['_RELEASEREQUEST']._serialized_start=309
-  _globals['_RELEASEREQUEST']._serialized_end=375
-  _globals['_RELEASERESPONSE']._serialized_start=377
-  _globals['_RELEASERESPONSE']._serialized_end=412
-  _globals['_ATTACHREQUEST']._serialized_start=414
-  _globals['_ATTACHREQUEST']._serialized_end=444
-  _globals['_TENSORDESCRIPTOR']._serialized_start=447
-  _globals['_TENSORDESCRIPTOR']._serialized_end=634
-  _globals['_ATTACHRESPONSE']._serialized_start=637
-  _globals['_ATTACHRESPONSE']._serialized_end=893
-  _globals['_STATSREQUEST']._serialized_start=895
-  _globals['_STATSREQUEST']._serialized_end=909
-  _globals['_STATSRESPONSE']._serialized_start=912
-  _globals['_STATSRESPONSE']._serialized_end=1111
-  _globals['_BANK']._serialized_start=1277
-  _globals['_BANK']._serialized_end=1514
+  _globals['_ACQUIREREQUEST']._serialized_end=180
+  _globals['_SWEEPROW']._serialized_start=182
+  _globals['_SWEEPROW']._serialized_end=233
+  _globals['_ACQUIRERESPONSE']._serialized_start=236
+  _globals['_ACQUIRERESPONSE']._serialized_end=434
+  _globals['_RELEASEREQUEST']._serialized_start=436
+  _globals['_RELEASEREQUEST']._serialized_end=502
+  _globals['_RELEASERESPONSE']._serialized_start=504
+  _globals['_RELEASERESPONSE']._serialized_end=539
+  _globals['_ATTACHREQUEST']._serialized_start=541
+  _globals['_ATTACHREQUEST']._serialized_end=571
+  _globals['_TENSORDESCRIPTOR']._serialized_start=574
+  _globals['_TENSORDESCRIPTOR']._serialized_end=761
+  _globals['_ATTACHRESPONSE']._serialized_start=764
+  _globals['_ATTACHRESPONSE']._serialized_end=1020
+  _globals['_STATSREQUEST']._serialized_start=1022
+  _globals['_STATSREQUEST']._serialized_end=1036
+  _globals['_STATSRESPONSE']._serialized_start=1039
+  _globals['_STATSRESPONSE']._serialized_end=1238
+  _globals['_BANK']._serialized_start=1404
+  _globals['_BANK']._serialized_end=1641
 # @@protoc_insertion_point(module_scope)

@@ -40,30 +40,44 @@ class Handle(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("model", "token_ids_le_i32", "lease_ms")
+    __slots__ = ("model", "token_ids_le_i32", "lease_ms", "rows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_LE_I32_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids_le_i32: bytes
     lease_ms: int
-    def __init__(self, model: _Optional[str] = ..., token_ids_le_i32: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[SweepRow]
+    def __init__(self, model: _Optional[str] = ..., token_ids_le_i32: _Optional[bytes] = ..., lease_ms: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[SweepRow, _Mapping]]] = ...) -> None: ...
+
+class SweepRow(_message.Message):
+    __slots__ = ("token_ids_le_i32", "picks")
+    TOKEN_IDS_LE_I32_FIELD_NUMBER: _ClassVar[int]
+    PICKS_FIELD_NUMBER: _ClassVar[int]
+    token_ids_le_i32: bytes
+    picks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids_le_i32: _Optional[bytes] = ..., picks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("handle", "document_length", "cached", "lease_id", "lease_expires_unix_ms", "doc_key")
+    __slots__ = ("handle", "document_length", "cached", "lease_id", "lease_expires_unix_ms", "doc_key", "swept", "row_probabilities")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DOC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SWEPT_FIELD_NUMBER: _ClassVar[int]
+    ROW_PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
     handle: Handle
     document_length: int
     cached: bool
     lease_id: str
     lease_expires_unix_ms: int
     doc_key: str
-    def __init__(self, handle: _Optional[_Union[Handle, _Mapping]] = ..., document_length: _Optional[int] = ..., cached: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., doc_key: _Optional[str] = ...) -> None: ...
+    swept: bool
+    row_probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, handle: _Optional[_Union[Handle, _Mapping]] = ..., document_length: _Optional[int] = ..., cached: _Optional[bool] = ..., lease_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., doc_key: _Optional[str] = ..., swept: _Optional[bool] = ..., row_probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("handle", "lease_id")

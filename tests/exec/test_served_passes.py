@@ -158,16 +158,21 @@ def test_switch_interval_flag_in_both_services():
 
 
 def test_bank_graph_settings_from_env_and_flags():
-    """The bank's keys cover its own state-pass caps; KEV_CUDA_GRAPHS (or --cuda-graphs) turns them off."""
+    """The bank's keys cover its own state-pass caps, and its idle sweeps' rows (queued: captured when
+    idle or at first use); KEV_CUDA_GRAPHS (or --cuda-graphs) turns them off."""
     default = BankConfig.from_env(BANK_ENV, [])
-    assert default.graph_plan == GraphPlan(cuda_graphs=True, state_tokens=16384, state_seqs=64)
+    assert default.graph_plan == GraphPlan(cuda_graphs=True, state_tokens=16384, state_seqs=64, row_tokens=2048,
+                                           row_seqs=32, rows_at_first_use=True)
+    assert default.pass_role is PassRole.BOTH
+    no_sweeps = BankConfig.from_env(BANK_ENV, ["--sweep-rows", "0"])
+    assert no_sweeps.pass_role is PassRole.STATES and not no_sweeps.graph_plan.rows_at_first_use
     assert (default.graph_plan.state_tokens, default.graph_plan.state_seqs) == (default.max_pass_tokens,
                                                                                default.max_pass_documents)
     assert default.ops_backend == "triton" and default.redacted()["ops_backend"] == "triton"
     assert BankConfig.from_env({**BANK_ENV, "KEV_DEVICE": "cpu"}, []).ops_backend == "torch"
     assert BankConfig.from_env(BANK_ENV, ["--ops", "torch"]).ops_backend == "torch"  # explicit choice wins
     env = {**BANK_ENV, "KEV_CUDA_GRAPHS": "off"}
-    capped = BankConfig.from_env(env, ["--max-pass-tokens", "4096", "--max-pass-documents", "8"])
+    capped = BankConfig.from_env(env, ["--max-pass-tokens", "4096", "--max-pass-documents", "8", "--sweep-row-tokens", "0"])
     assert capped.graph_plan == GraphPlan(cuda_graphs=False, state_tokens=4096, state_seqs=8)
     assert capped.redacted()["cuda_graphs"] is False  # logged
     assert BankConfig.from_env(env, ["--cuda-graphs", "1"]).graph_plan.cuda_graphs is True  # the flag overrides
@@ -202,6 +207,32 @@ def test_ladders_follow_the_plan():
     assert len(keys) == len(set(keys)) == len(rows.keys()) + len(states.keys())
     assert keys == sorted(keys, key=lambda k: (k.tokens, k.chunks), reverse=True)
     assert keys[0] == max(states.keys(), key=lambda k: (k.tokens, k.chunks))
+
+
+def test_the_banks_sweep_row_keys_are_queued_and_its_state_keys_captured(monkeypatch):
+    """`rows_at_first_use` (the bank's idle sweeps): start-up captures the state keys only; the row
+    keys wait in the queue (captured when idle, or by the first pass that needs one). A sweep whose
+    row key is still queued runs as the two passes, which capture it, never eagerly."""
+    import kev.exec.passes as passes_module
+    from kev.exec.static_pass import SweepKey
+
+    captured = []
+    monkeypatch.setattr(passes_module, "_indexed", lambda ops: True)
+    monkeypatch.setattr(passes_module, "serving_tuner", lambda: "tuner")
+    monkeypatch.setattr(passes_module, "warm_up", lambda runner, classes: list(classes))
+    monkeypatch.setattr(passes_module, "Passes", lambda *a, **k: SimpleNamespace(
+        device="cuda", with_graphs=lambda graphs: SimpleNamespace(graphs=graphs)))
+    monkeypatch.setattr(GraphCache, "capture", lambda self, passes, keys: captured.extend(keys))
+    bank = SimpleNamespace(block_table=SimpleNamespace(device=torch.device("cuda")))
+    plan = GraphPlan(row_tokens=256, row_seqs=4, state_tokens=1024, state_seqs=4, rows_at_first_use=True)
+    graphs = PassBuilder("model", None, PassRole.BOTH, plan).build(bank).graphs
+    rows, states = KeyLadder(PassKind.ROWS, 256, 4), KeyLadder(PassKind.STATE, 1024, 4)
+    assert set(captured) == set(states.keys()) and set(graphs.pending) == set(rows.keys())
+    assert len(captured) == len(states.keys())
+    state, row = states.key_for([100]), rows.key_for([20, 30])
+    assert graphs.sweep_key(state, row) is None  # the row key is queued: two passes
+    fresh = GraphCache(rows, states)
+    assert fresh.sweep_key(state, row) == SweepKey(state, row)  # nothing queued, nothing captured: one sweep
 
 
 @pytest.mark.parametrize("service", ["scorer", "bank"])

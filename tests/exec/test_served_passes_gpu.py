@@ -228,3 +228,45 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
     got = pending.result()
     assert got == want
     assert got != answer_rows(head, prepared, passes.row_pass(b))
+
+
+def test_the_banks_idle_sweep_runs_on_graphs_only(served):
+    """The bank with idle sweeps (`GraphPlan.rows_at_first_use`, bank_service): start-up captures its
+    state keys and queues its row keys; a new document's sweep with its rows then runs as the two
+    graphed passes (the row key captured at its first use), and, once the sweep was used twice and
+    captured while idle, as its own graph: never eagerly, and close to the two eager passes."""
+    from kev.exec.static_pass import SweepKey
+
+    cfg, model = served["cfg"], served["model"]
+    bank = Bank.allocate(cfg, num_slots=8, num_blocks=64, block_size=64, dtype=torch.bfloat16, device="cuda",
+                         max_doc_tokens=512)
+    plan = GraphPlan(state_tokens=1024, state_seqs=4, row_tokens=256, row_seqs=8, rows_at_first_use=True)
+    passes = PassBuilder(model, TritonOps(), PassRole.BOTH, plan).build(bank)
+    graphs = passes.graphs
+    assert set(graphs.graphs()) == set(KeyLadder(PassKind.STATE, 1024, 4).keys())
+    assert set(graphs.pending) == set(KeyLadder(PassKind.ROWS, 256, 8).keys())
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(0, cfg.vocab_size, (100,), generator=g).tolist()
+    lens = (20, 33, 9)
+    rows = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    picks = [[0, n // 2, n - 1] for n in lens]
+
+    def batch(h):
+        return RowBatch.build(rows, [h] * len(rows), [len(doc)] * len(rows), picks, device="cuda")
+
+    eager, outs = graphs.stats.eager, []
+    for use in range(3):
+        h = bank.alloc(len(doc))
+        outs.append(passes.sweep([doc], [h], batch(h)).clone())
+        bank.free(h)
+        if use == 1:  # queued after its second use: an idle bank captures it (and the other row keys)
+            while passes.idle_work:
+                passes.capture_when_idle()
+    assert graphs.stats.eager == eager and not graphs.stats.capture_errors
+    assert any(isinstance(k, SweepKey) for k in graphs.graphs())
+    h = bank.alloc(len(doc))
+    reference = passes.with_graphs(None)
+    reference.state_pass([doc], [h])
+    want = reference.row_pass(batch(h))
+    for out in outs:
+        assert rel_err(want, out) <= 2e-2

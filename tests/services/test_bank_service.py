@@ -138,6 +138,32 @@ def test_miss_then_hit(bank, redis_srv):
     assert not release(stub, first)  # already released
 
 
+def test_rows_on_a_new_document_are_answered_in_its_sweep(bank, loaded):
+    """AcquireRequest.rows on an idle bank: the document's pass answers them (swept, the head's
+    probabilities: bit for bit the two passes' in this process, float32 on the wire); the entry is
+    stored and pinned as by any Acquire; on a hit the rows are ignored."""
+    from kev.request.answers import option_probabilities
+
+    stub, ids = bank.stub(), doc(30, "sweep")
+    rows = [doc(7, "row-a"), doc(12, "row-b")]
+    picks = [[2, 4, 6], [0, 11]]  # [decide, option ends...]
+    request = pb.AcquireRequest(model=TINY_MODEL_ID, token_ids_le_i32=pack_tokens(ids),
+                                rows=[pb.SweepRow(token_ids_le_i32=pack_tokens(r), picks=p) for r, p in zip(rows, picks)])
+    before = counter(bank, "kev_bank_sweeps_total")
+    got = stub.Acquire(request, timeout=30)
+    assert got.swept and not got.cached and counter(bank, "kev_bank_sweeps_total") == before + 1
+    passes = Passes(loaded.model, Bank.allocate(loaded.model.cfg, num_slots=2, num_blocks=8, block_size=64),
+                    get_ops("torch"))
+    h = passes.bank.alloc(len(ids))
+    passes.state_pass([ids], [h])
+    hidden = passes.row_pass(RowBatch.build(rows, [h, h], [len(ids)] * 2, picks))
+    want = option_probabilities(loaded.head, hidden, [2, 1]).tolist()
+    assert list(got.row_probabilities) == want
+    again = stub.Acquire(request, timeout=30)
+    assert again.cached and not again.swept and not again.row_probabilities
+    assert release(stub, got) and release(stub, again)
+
+
 def test_concurrent_acquires_of_one_document_pass_it_once(bank):
     stub, ids = bank.stub(), doc(90, "same-doc")
     before = counter(bank, "kev_bank_state_pass_documents_total")
@@ -243,6 +269,18 @@ BAD = {
     "unknown model": (dict(model="kev-other", token_ids_le_i32=pack_tokens([1, 2])), "model"),
     "no model": (dict(model="", token_ids_le_i32=pack_tokens([1, 2])), "model"),
     "lease too long": (dict(token_ids_le_i32=pack_tokens([1, 2]), lease_ms=10**7), "lease_ms"),
+    # an idle sweep's rows (AcquireRequest.rows): a bad one fails the call, the document is not read
+    "empty row": (dict(token_ids_le_i32=pack_tokens([1, 2]), rows=[pb.SweepRow(picks=[0, 1])]),
+                  "rows[0].token_ids_le_i32"),
+    "row id over vocab": (dict(token_ids_le_i32=pack_tokens([1, 2]),
+                               rows=[pb.SweepRow(token_ids_le_i32=pack_tokens([5, VOCAB]), picks=[0, 1])]),
+                          "rows[0].token_ids_le_i32"),
+    "row without an option": (dict(token_ids_le_i32=pack_tokens([1, 2]),
+                                   rows=[pb.SweepRow(token_ids_le_i32=pack_tokens([5, 6]), picks=[0])]), "rows[0].picks"),
+    "pick past its row": (dict(token_ids_le_i32=pack_tokens([1, 2]),
+                               rows=[pb.SweepRow(token_ids_le_i32=pack_tokens([5, 6]), picks=[0, 1]),
+                                     pb.SweepRow(token_ids_le_i32=pack_tokens([5, 6, 7]), picks=[1, 3])]),
+                          "rows[1].picks"),
 }
 
 

@@ -23,6 +23,7 @@ import torch
 
 import scorer_service.batcher as batcher_module
 from bank_service.acquire import Acquirer
+from bank_service.jobs import SweepLimits, SweepRows
 from bank_service.metrics import BankMetrics
 from kev.bank.bank import Bank
 from kev.bank.directory import Directory
@@ -34,7 +35,10 @@ from kev.exec.plan import GraphPlan, PassRole
 from kev.loading import LoadedModel
 from kev.ops import get_ops
 from kev.request import api
+from kev.request.answers import option_probabilities
+from kev.exec.batch import RowBatch
 from kev.request.prompts import validate_and_build
+from kev.request.rows import row_picks
 from kev.serving.errors import DeadlineExceeded
 from scorer_service.bank_link import Attachment, DocLease
 from scorer_service.batcher import RowBatcher
@@ -287,14 +291,15 @@ class HeldStatePasses:
 
 
 @contextlib.contextmanager
-def running_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slots: int | None = None):
+def running_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slots: int | None = None,
+                 sweeps: SweepLimits | None = None):
     """An Acquirer over torch state passes (`HeldStatePasses`), started, stopped on the way out."""
     store = (Bank.from_budget(loaded.model.cfg, 4 << 20, avg_doc_tokens=64, max_doc_tokens=512) if slots is None
              else Bank.allocate(loaded.model.cfg, num_slots=slots, num_blocks=slots * 2, block_size=64, max_doc_tokens=128))
     passes = PassBuilder(loaded.model, get_ops("torch"), PassRole.STATES, GraphPlan()).build(store)
     held = HeldStatePasses(passes)
     directory = Directory(redis_server.client(), loaded.model_id, namespace)
-    acq = Acquirer(passes, store, directory, BankMetrics(store.stats), lease_s=30, max_wait_s=WINDOW_S,
+    acq = Acquirer(passes, store, directory, BankMetrics(store.stats), sweeps=sweeps, lease_s=30, max_wait_s=WINDOW_S,
                    max_pass_tokens=max_pass_tokens, max_pass_documents=64, epoch_check_s=1)
     acq.start()
     try:
@@ -374,6 +379,76 @@ def test_an_abandoned_acquire_keeps_no_pin(bank):
     assert entry.pins == 0
     again = bank.acq.acquire(ids, 30, 10)
     assert again.cached
+
+
+# ---- idle sweeps: a new document and its caller's rows in one pass ---------------------------
+
+
+def sweep_rows(loaded, i: int, questions: int = 3) -> tuple[list[int], SweepRows, list]:
+    """(document ids, its rows as an Acquire brings them, the prepared request) of `request(i)`."""
+    prepared = validate_and_build(request(i, questions), loaded.builder)
+    return (list(prepared.document_ids),
+            SweepRows([list(r.prompt.ids) for r in prepared.rows], [row_picks(r) for r in prepared.rows]), prepared)
+
+
+def two_pass_probabilities(loaded, ids, rows: SweepRows) -> list[float]:
+    """The reference: the document's state pass, then its rows' pass, then the head (no sweep)."""
+    store = Bank.from_budget(loaded.model.cfg, 1 << 20, avg_doc_tokens=64, max_doc_tokens=512)
+    passes = PassBuilder(loaded.model, get_ops("torch"), PassRole.STATES, GraphPlan()).build(store)
+    h = store.alloc(len(ids))
+    passes.state_pass([ids], [h])
+    n = len(rows.ids)
+    hidden = passes.row_pass(RowBatch.build(rows.ids, [h] * n, [len(ids)] * n, rows.picks))
+    return option_probabilities(loaded.head, hidden, [len(p) - 1 for p in rows.picks]).tolist()
+
+
+@pytest.fixture
+def sweeping_bank(loaded, redis_server):
+    with running_bank(loaded, redis_server, "sweep", 16384, sweeps=SweepLimits(8, 512, loaded.head)) as started:
+        yield started
+
+
+def test_an_idle_bank_answers_a_new_documents_rows_in_its_sweep(loaded, sweeping_bank):
+    """Bit for bit the two passes' answers (CPU: batch-invariant projections), no state pass of its
+    own; the document is stored as by any pass, and a hit (or a caller without rows) gets no answers."""
+    ids, rows, _ = sweep_rows(loaded, 0)
+    got = sweeping_bank.acq.acquire(ids, 30, 10, rows=rows)
+    assert not got.cached and got.probabilities == two_pass_probabilities(loaded, ids, rows)
+    assert sweeping_bank.held.passes == []  # the sweep, not `state_pass`
+    assert sweeping_bank.acq.metrics.sweeps._value.get() == 1
+    again = sweeping_bank.acq.acquire(ids, 30, 10, rows=rows)
+    assert again.cached and again.probabilities is None and again.handle == got.handle
+    other, _, _ = sweep_rows(loaded, 1)
+    assert sweeping_bank.acq.acquire(other, 30, 10).probabilities is None
+
+
+def test_rows_over_the_sweep_caps_or_on_a_bank_without_sweeps_are_ignored(loaded, sweeping_bank, bank):
+    ids, rows, _ = sweep_rows(loaded, 2, questions=9)  # one more row than the caps' 8
+    got = sweeping_bank.acq.acquire(ids, 30, 10, rows=rows)
+    assert not got.cached and got.probabilities is None and sweeping_bank.held.passes == [[len(ids)]]
+    ids, rows, _ = sweep_rows(loaded, 3)
+    got = bank.acq.acquire(ids, 30, 10, rows=rows)
+    assert not got.cached and got.probabilities is None and bank.held.passes == [[len(ids)]]
+
+
+def test_a_busy_bank_ignores_rows_and_sweeps_a_document_left_alone(loaded, sweeping_bank):
+    """Documents that queue behind a pass share the next one: their rows are ignored (they would slow
+    a pass others wait for). A document alone in its pass with nothing queued is swept."""
+    b = sweeping_bank
+    b.held.hold = True
+    threads, results = in_threads(b.acq.acquire, [(tokens(0, 10), 30, 10)])
+    assert b.held.inside.wait(5)  # a pass in flight
+    cases = [sweep_rows(loaded, i) for i in (4, 5)]
+    more, more_results = in_threads(lambda ids, rows: b.acq.acquire(ids, 30, 10, rows=rows),
+                                    [(ids, rows) for ids, rows, _ in cases])
+    wait_until(lambda: len(b.acq._queue) == 2, "the two documents queued behind the pass")
+    b.held.release()
+    for t in threads + more:
+        t.join(10)
+    assert all(not r.cached and r.probabilities is None for r in results + more_results), results + more_results
+    assert sorted(map(sorted, b.held.passes)) == sorted([[10], sorted(len(ids) for ids, _, _ in cases)])
+    ids, rows, _ = sweep_rows(loaded, 6)
+    assert b.acq.acquire(ids, 30, 10, rows=rows).probabilities == two_pass_probabilities(loaded, ids, rows)
 
 
 def test_a_pass_registers_its_documents_in_one_round_trip_and_a_conflict_costs_only_its_own(bank):

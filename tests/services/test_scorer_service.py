@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from kev.request import api
+from kev.serving.processes import free_port
 from kev.stack import Stack
 from kev.v1 import scorer_pb2, scorer_pb2_grpc
 from kev.rpc.wire import request_to_proto
@@ -58,7 +59,7 @@ def served(checkpoint):
     """(stack, requests, the engine's responses). Small passes, so that requests are split over
     several passes and passes mix requests."""
     stack = stack_for(checkpoint, scorer_env={"KEV_MAX_ROWS_PER_PASS": "7", "KEV_MAX_TOKENS_PER_PASS": "256",
-                                              "KEV_MAX_WAIT_MS": "5"})
+                                              "KEV_MAX_WAIT_MS": "5", "KEV_METRICS_PORT": str(free_port())})
     docs = make_documents(40)
     requests = make_requests(80, docs)
     # A request with more rows than a pass holds, and a truncated document.
@@ -70,6 +71,13 @@ def served(checkpoint):
         yield stack, requests, want
 
 
+def scorer_metric(stack: Stack, name: str) -> float:
+    from bench.load import scrape
+
+    port = stack.scorer_env["KEV_METRICS_PORT"]
+    return scrape(f"http://127.0.0.1:{port}/metrics").get(name, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # tests
 
@@ -78,9 +86,11 @@ def test_answers_equal_in_process_engine(served):
     stack, requests, want = served
     with grpc.insecure_channel(stack.scorer_addr) as channel:
         stub = scorer_pb2_grpc.ScorerStub(channel)
-        # Sequential first (each request alone), then concurrent (rows of many requests per pass).
+        # Sequential first (each request alone: a new document's rows go with its Acquire, and the
+        # idle bank answers them in the document's sweep), then concurrent (rows of many requests per pass).
         for r, w in zip(requests[:20], want[:20]):
             assert_same(score(stub, r), w)
+        assert scorer_metric(stack, "kev_scorer_idle_sweeps_total") > 0
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda r: score(stub, r), requests))
     for g, w in zip(got, want):
@@ -118,7 +128,7 @@ def test_scorers_map_the_banks_weights(served):
 
 def test_second_scorer_gives_identical_answers(served):
     stack, requests, want = served
-    second = stack.add_scorer()
+    second = stack.add_scorer(env={"KEV_METRICS_PORT": "0"})  # the first holds the fixture's port
     try:
         for addr in (stack.scorer_addr, second):
             with grpc.insecure_channel(addr) as channel:
