@@ -32,6 +32,10 @@ GIB = 1 << 30
 # 80 GiB / 141 GB less what the driver keeps), in bytes.
 DEVICES = {"H100 80GB": 85_000_000_000, "H200 141GB": 150_000_000_000}
 HEADROOM_BYTES = 2 * GB  # left free on the device beyond the plan (the plan itself is a bound)
+# The bank's default plan (bank_service/config.py): its state-pass caps and its idle sweeps' row caps
+# (tests/exec/test_memory_plan.py checks they are the service's defaults).
+BANK_ROLE = PassRole.BOTH
+BANK_GRAPHS = GraphPlan(row_tokens=2048, row_seqs=32, rows_at_first_use=True)
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,9 @@ class PodBudget:
 
 
 def pod_plan(cfg: ModelConfig, bank_bytes: int, *, weights_shared: bool = True,
-             bank_graphs: GraphPlan = GraphPlan(), scorer_graphs: GraphPlan = GraphPlan()) -> MemoryPlan:
+             bank_graphs: GraphPlan = BANK_GRAPHS, scorer_graphs: GraphPlan = GraphPlan()) -> MemoryPlan:
     """One bank process and one scorer (mapping the bank's weights unless `weights_shared` is False)."""
-    bank = memory_plan(cfg, PassRole.STATES, bank_graphs, bank_bytes=bank_bytes, dtype=torch.bfloat16)
+    bank = memory_plan(cfg, BANK_ROLE, bank_graphs, bank_bytes=bank_bytes, dtype=torch.bfloat16, who="bank")
     scorer = memory_plan(cfg, PassRole.ROWS, scorer_graphs, weights_shared=weights_shared, dtype=torch.bfloat16)
     return bank + scorer
 

@@ -167,7 +167,10 @@ def test_service_defaults_are_the_plans_defaults():
     bank = BankConfig.from_env({"KEV_CHECKPOINT": "x", "KEV_REDIS_URL": "redis://h", "KEV_DEVICE": "cuda",
                                 "KEV_BANK_MEMORY_BYTES": "1"})
     scorer = ScorerConfig.from_env({"KEV_CHECKPOINT": "x", "KEV_REDIS_URL": "redis://h", "KEV_DEVICE": "cuda"}, [])
+    from bench.memory_budget import BANK_GRAPHS, BANK_ROLE
+
     plan = GraphPlan()
     assert (bank.graph_plan.state_tokens, bank.graph_plan.state_seqs) == (plan.state_tokens, plan.state_seqs)
+    assert bank.graph_plan == BANK_GRAPHS and bank.pass_role is BANK_ROLE  # with its idle sweeps' row keys
     assert (scorer.graph_plan.row_tokens, scorer.graph_plan.row_seqs) == (plan.row_tokens, plan.row_seqs)
     assert bank.graph_plan.cuda_graphs and scorer.graph_plan.cuda_graphs
