@@ -210,9 +210,10 @@ def test_ladders_follow_the_plan():
 
 
 def test_the_banks_sweep_row_keys_are_queued_and_its_state_keys_captured(monkeypatch):
-    """`rows_at_first_use` (the bank's idle sweeps): start-up captures the state keys only; the row
-    keys wait in the queue (captured when idle, or by the first pass that needs one). A sweep whose
-    row key is still queued runs as the two passes, which capture it, never eagerly."""
+    """`rows_at_first_use` (the bank's idle sweeps): start-up captures the state keys only; each row
+    key is captured by the first pass that needs it (never by an idle capture, which could run beside
+    a scorer's start-up autotune). A sweep whose row key is still queued runs as the two passes,
+    which capture it, never eagerly."""
     import kev.exec.passes as passes_module
     from kev.exec.static_pass import SweepKey
 
@@ -227,7 +228,7 @@ def test_the_banks_sweep_row_keys_are_queued_and_its_state_keys_captured(monkeyp
     plan = GraphPlan(row_tokens=256, row_seqs=4, state_tokens=1024, state_seqs=4, rows_at_first_use=True)
     graphs = PassBuilder("model", None, PassRole.BOTH, plan).build(bank).graphs
     rows, states = KeyLadder(PassKind.ROWS, 256, 4), KeyLadder(PassKind.STATE, 1024, 4)
-    assert set(captured) == set(states.keys()) and set(graphs.pending) == set(rows.keys())
+    assert set(captured) == set(states.keys()) and graphs.first_use == set(rows.keys()) and not graphs.pending
     assert len(captured) == len(states.keys())
     state, row = states.key_for([100]), rows.key_for([20, 30])
     assert graphs.sweep_key(state, row) is None  # the row key is queued: two passes

@@ -232,9 +232,9 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
 
 def test_the_banks_idle_sweep_runs_on_graphs_only(served):
     """The bank with idle sweeps (`GraphPlan.rows_at_first_use`, bank_service): start-up captures its
-    state keys and queues its row keys; a new document's sweep with its rows then runs as the two
-    graphed passes (the row key captured at its first use), and, once the sweep was used twice and
-    captured while idle, as its own graph: never eagerly, and close to the two eager passes."""
+    state keys and queues its row keys for their first use; a new document's sweep with its rows
+    then runs as the two graphed passes (the row key captured then), and, once the sweep was used
+    twice and captured while idle, as its own graph: never eagerly, and close to the two eager passes."""
     from kev.exec.static_pass import SweepKey
 
     cfg, model = served["cfg"], served["model"]
@@ -244,7 +244,7 @@ def test_the_banks_idle_sweep_runs_on_graphs_only(served):
     passes = PassBuilder(model, TritonOps(), PassRole.BOTH, plan).build(bank)
     graphs = passes.graphs
     assert set(graphs.graphs()) == set(KeyLadder(PassKind.STATE, 1024, 4).keys())
-    assert set(graphs.pending) == set(KeyLadder(PassKind.ROWS, 256, 8).keys())
+    assert graphs.first_use == set(KeyLadder(PassKind.ROWS, 256, 8).keys()) and not passes.idle_work
     g = torch.Generator().manual_seed(5)
     doc = torch.randint(0, cfg.vocab_size, (100,), generator=g).tolist()
     lens = (20, 33, 9)
@@ -254,16 +254,17 @@ def test_the_banks_idle_sweep_runs_on_graphs_only(served):
     def batch(h):
         return RowBatch.build(rows, [h] * len(rows), [len(doc)] * len(rows), picks, device="cuda")
 
-    eager, outs = graphs.stats.eager, []
-    for use in range(3):
+    eager, outs, captured = graphs.stats.eager, [], []
+    for use in range(4):
         h = bank.alloc(len(doc))
         outs.append(passes.sweep([doc], [h], batch(h)).clone())
         bank.free(h)
-        if use == 1:  # queued after its second use: an idle bank captures it (and the other row keys)
-            while passes.idle_work:
-                passes.capture_when_idle()
+        if passes.idle_work:  # the sweep, queued after `min_uses` runs as two replays: an idle bank captures it
+            assert passes.capture_when_idle() == 1
+            captured.append(use)
+    # use 0 captured the row key; uses 1 and 2 ran as two replays and queued the sweep; use 3 replayed it
+    assert captured == [2] and any(isinstance(k, SweepKey) for k in graphs.graphs())
     assert graphs.stats.eager == eager and not graphs.stats.capture_errors
-    assert any(isinstance(k, SweepKey) for k in graphs.graphs())
     h = bank.alloc(len(doc))
     reference = passes.with_graphs(None)
     reference.state_pass([doc], [h])
