@@ -82,7 +82,7 @@ from bench.load import (add_run_args, environment, json_safe, measure_matmul_tfl
                         served_params)
 from bench.load_report import (format_breakdown, report, sample_answers, service_overrides, startup_breakdown,
                                write_quietly)
-from bench.load_workloads import WORKLOADS, RequestStream, TextMaker, Workload, load_builder
+from bench.load_workloads import WORKLOADS, LoadRequest, RequestStream, TextMaker, Workload, load_builder
 from bench.common import KEV_MODELS
 from bench.random_checkpoint import write_random_checkpoint
 from kev.serving.processes import REPO_ROOT, Proc, free_port
@@ -189,24 +189,35 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
 # the run
 
 
+def stored_sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float) -> list:
+    """The sample's answers read from stored states: asked twice, the second answers. The first
+    time a new document is stored, and a request that finds the stack idle is answered in its
+    document's sweep by the bank (its head outside the row graphs: other low bits); the second
+    time every document is cached and the rows run in the row passes the gathered scorer runs too."""
+    sample_answers(addr, sample, timeout_s)
+    return sample_answers(addr, sample, timeout_s)
+
+
 def measure(system: str, running: Running, checkpoint: Path, args, workloads: list[str], seed: int,
-            results: dict, save, matmul_tflops: float | None = None) -> None:
+            results: dict, save, matmul_tflops: float | None = None, kev_addr: str | None = None) -> None:
     """Per workload: the sample answers, then the runs (sweep or one client count), each stored in
-    `results[system][workload]` and saved (`save()`) as soon as it is done."""
+    `results[system][workload]` and saved (`save()`) as soon as it is done. `kev_addr`: the kev
+    scorer beside a gathered one, which answers the sample again just before it (the reference)."""
     model_id, tokenizer, builder = load_builder(checkpoint, args.max_document_tokens)
     maker = TextMaker(tokenizer, builder)
     params = served_params(checkpoint)
     for name in workloads:
         stream = RequestStream(maker, model_id, WORKLOADS[name].scaled(args.scale), seed)
         sample = stream.sample(args.sample)
-        if system == "kev":
-            # The first time, the sample's new documents are stored, and a request that finds the
-            # stack idle is answered in its document's sweep by the bank (its head outside the row
-            # graphs: other low bits). Compared: the second time, cached, in the row passes that
-            # the gathered scorer runs too.
-            sample_answers(running.addr, sample, args.timeout_s)
-        entry = results.setdefault(system, {})[name] = {"sample": sample_answers(running.addr, sample, args.timeout_s),
-                                                        "runs": []}
+        if system == "gathered" and name in results.get("kev", {}):
+            # kev's load since its sample may have evicted the sample's documents, and a document
+            # read again may be read differently (alone in an idle sweep: other GEMM shapes, other
+            # low bits): kev answers the sample again now, from the states the gathered scorer
+            # reads next, and those answers are the ones compared.
+            results["kev"][name]["sample"] = stored_sample_answers(kev_addr, sample, args.timeout_s)
+        entry = results.setdefault(system, {})[name] = {"runs": []}
+        entry["sample"] = stored_sample_answers(running.addr, sample, args.timeout_s) if system == "kev" \
+            else sample_answers(running.addr, sample, args.timeout_s)
         for n in sweep_of(system, args):
             baseline = system == "baseline"
             duration = args.baseline_duration if baseline and args.baseline_duration else args.duration
@@ -407,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             write_quietly(Path(args.out_dir) / f"{result_stem(args.model, name)}.json",
                           report(name, results, systems, skipped, args, env, checkpoint, startup))
 
-    def measure_all(system: str, running: Running, seed: int) -> None:
+    def measure_all(system: str, running: Running, seed: int, kev_addr: str | None = None) -> None:
         try:
-            measure(system, running, checkpoint, args, workloads, seed, results, save, tflops)
+            measure(system, running, checkpoint, args, workloads, seed, results, save, tflops, kev_addr)
         except BaseException:
             for proc, tail in running.logs().items():
                 print(f"--- {proc} log tail ---\n{tail}", file=sys.stderr)
@@ -446,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             print("== gathered scorer: starting", file=sys.stderr, flush=True)
             gathered = add_gathered(stack, args, ports, startup["stack"])
             print(f"   {format_breakdown('gathered', startup['stack']['gathered'])}", file=sys.stderr, flush=True)
-            measure_all("gathered", gathered, args.seed + 1)  # documents new to the shared bank
+            measure_all("gathered", gathered, args.seed + 1, kev.addr)  # its load's documents new to the bank
     finally:
         stack.stop()
 
