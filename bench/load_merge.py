@@ -13,6 +13,15 @@ Both must be of the same workload, commit, GPU and GPU sharing.
         --out bench/results/load_five-long.json \
         --png runs/load_five-long.png   # requests/s and p99 against clients, all three systems
 
+With `--identity`, the second call only checked the identity (kev's and the gathered scorer's
+sample, each at a few clients) after the first call's check could not count: the first file's
+figures stay whole, the second's identity check and runs go in `identity_run`. The two may be of
+different commits when nothing the services run differs between them (`git diff` over kev/,
+bank_service/, scorer_service/ and proto/ is empty: a fix to the harness alone).
+
+    python -m bench.load_merge runs/<load call>/load_27b_varied.json runs/<identity call>/load_27b_varied.json \
+        --identity --out bench/results/load_27b_varied.json
+
 The two calls' files are per-run records (runs/, from bench/device/collect.py); the merged file is
 the workload's results file under its plain name.
 """
@@ -22,6 +31,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import subprocess
+from pathlib import Path
 
 from bench.common import write_json
 from bench.load_report import HEADLINE
@@ -54,6 +65,47 @@ def merge(with_baseline: dict, with_gathered: dict) -> dict:
     return out
 
 
+SERVED_CODE = ("kev", "bank_service", "scorer_service", "proto")
+
+
+def served_code_differs(a: str, b: str) -> str:
+    """What the services run that differs between commits `a` and `b` (`git diff --stat`; '' when
+    nothing does); raises ValueError when git cannot tell."""
+    out = subprocess.run(["git", "diff", "--stat", a, b, "--", *SERVED_CODE], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    if out.returncode != 0:
+        raise ValueError(f"git cannot compare {a} and {b}: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def merge_identity(load_run: dict, identity_run: dict) -> dict:
+    """`load_run`'s figures with `identity_run`'s identity check (`--identity`, module docstring);
+    ValueError when the two do not go together."""
+    for key in (*(k for k in SAME if k != "commit"), "model"):
+        if load_run.get(key) != identity_run.get(key):
+            raise ValueError(f"{key} differs: {load_run.get(key)!r} and {identity_run.get(key)!r}")
+    gathered, check = identity_run.get("gathered", {}), identity_run.get("gathered_bit_identical")
+    if "sweep" not in gathered or "gathered" in identity_run.get("missing", []) or not check:
+        raise ValueError("the second file has no complete gathered run with its identity check")
+    if load_run.get("commit") != identity_run.get("commit") and \
+            (diff := served_code_differs(load_run["commit"], identity_run["commit"])):
+        raise ValueError(f"the services' code differs between the two commits:\n{diff}")
+    out = copy.deepcopy(load_run)
+    if "sweep" not in out.get("gathered", {}):  # the load call's gathered scorer did not run (or was cut)
+        out["gathered"] = copy.deepcopy(gathered)
+    if "gathered_bit_identical" in load_run:
+        out["load_call_gathered_bit_identical"] = load_run["gathered_bit_identical"]
+    out["gathered_bit_identical"] = copy.deepcopy(check)
+    out["identity_run"] = {"commit": identity_run.get("commit"), "command": identity_run.get("command"),
+                           "kev": {**{k: identity_run.get(k) for k in HEADLINE}, "sweep": identity_run["sweep"]},
+                           "gathered": copy.deepcopy(gathered), "startup": identity_run.get("startup")}
+    out["missing"], out["complete"] = [], not [m for m in load_run.get("missing", []) if m != "gathered"]
+    out["merged"] = ("two device calls: the figures from `command` (commit `commit`); the identity check "
+                     "kev == gathered from `identity_run` (its commit differs from `commit` in nothing the "
+                     "services run)")
+    return out
+
+
 def kev_series(merged: dict) -> list[dict]:
     """kev's runs to plot: the call that swept more client counts (a baseline call often runs kev
     at the compared count alone, its gathered call the whole sweep)."""
@@ -62,14 +114,18 @@ def kev_series(merged: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.load_merge", description=__doc__.split("\n\n")[0])
-    p.add_argument("with_baseline", help="results of a run with kev and the baseline")
+    p.add_argument("with_baseline", help="results of a run with kev and the baseline (--identity: the load run)")
     p.add_argument("with_gathered", help="results of a run with kev and the gathered scorer")
     p.add_argument("--out", required=True, help="the merged results file (bench/results/load_<workload>.json)")
     p.add_argument("--png", help="also plot the merged sweeps here (bench.load_plots; runs/, not bench/results)")
+    p.add_argument("--identity", action="store_true",
+                   help="take only the identity check (and the gathered scorer, if the first has none) from the second")
     args = p.parse_args(argv)
     with open(args.with_baseline) as a, open(args.with_gathered) as b:
-        merged = merge(json.load(a), json.load(b))
+        merged = (merge_identity if args.identity else merge)(json.load(a), json.load(b))
     write_json(args.out, merged)
+    if args.identity:
+        return 0
     if args.png:
         from bench.load_plots import plot_sweeps
 

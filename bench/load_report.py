@@ -82,6 +82,14 @@ def speedups(ours: list[dict], theirs: list[dict]) -> dict[str, float]:
             if r["clients"] in base and r.get("requests_per_s") is not None}
 
 
+def model_label(args) -> str:
+    """What the results ran: a Kev size's shapes with random weights on the GPU (`--model`)."""
+    if args.device == "cpu":
+        return "tiny random fp32 (CPU)"
+    size = getattr(args, "model", "kev-4b").removeprefix("kev-").upper()
+    return f"Kev-{size} shapes, random bf16 weights"
+
+
 def report(name: str, results: dict, systems: list[str], skipped: dict, args, env: dict, checkpoint: Path,
            startup: dict) -> dict:
     """One workload's results file from what has been measured so far."""
@@ -89,7 +97,7 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
     partial = {s: results[s][name] for s in systems if s not in done and results.get(s, {}).get(name, {}).get("runs")}
     have = {**partial, **done}
     out = {**{k: env[k] for k in ("commit", "gpu")}, "workload": name, "device": args.device,
-           "model": ("Kev-4B shapes, random bf16 weights" if args.device != "cpu" else "tiny random fp32 (CPU)"),
+           "model": model_label(args),
            "checkpoint": str(checkpoint), "scale": args.scale,
            "missing": [s for s in systems if s not in done], "complete": len(done) == len(systems)}
     overrides = service_overrides(args)

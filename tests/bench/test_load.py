@@ -426,8 +426,64 @@ def test_two_calls_merge_into_one_results_file(tmp_path):
         load_merge.merge(first, first)
 
 
+def test_an_identity_call_merges_into_the_load_calls_file(tmp_path):
+    """bench/load_merge.py --identity: the load call's figures whole, the identity check (and the
+    gathered scorer the load call lacked) from a second call, whose commit may differ only outside
+    what the services run (checked with git on this repository's own history)."""
+    import json
+    import subprocess
+
+    from bench import load_merge
+
+    def commit(ref):
+        return subprocess.run(["git", "rev-parse", "--short", ref], capture_output=True, text=True,
+                              cwd=Path(load_merge.__file__).resolve().parents[1]).stdout.strip()
+
+    def run(clients, rps):
+        return {"clients": clients, "requests_per_s": rps, "p50_ms": 1.0, "p99_ms": 2.0, "errors": {}}
+
+    # d2526f5 changed bench/load_compare.py alone after 6b0e211; a7efafd changed the services
+    harness_only, served_change = ("6b0e211", "d2526f5"), ("99a77cb", "a7efafd")
+    if not all(commit(c) for c in (*harness_only, *served_change)):
+        pytest.skip("not a clone with this repository's history")
+    same = {"workload": "varied", "gpu": "H200", "gpu_sharing": "mps", "device": "cuda", "scale": 1.0,
+            "model": "kev-27b"}
+    load_run = {**same, "commit": harness_only[0], **run(64, 12.0), "sweep": [run(64, 12.0)],
+                "missing": ["gathered"], "complete": False, "gathered": {"missing": True},
+                "gathered_bit_identical": {"identical": False}, "command": "load"}
+    identity_run = {**same, "commit": harness_only[1], **run(1, 5.0), "sweep": [run(1, 5.0)], "missing": [],
+                    "complete": True, "gathered": {**run(1, 4.0), "sweep": [run(1, 4.0)]},
+                    "gathered_bit_identical": {"identical": True}, "command": "identity"}
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps(load_run))
+    b.write_text(json.dumps(identity_run))
+    assert load_merge.main([str(a), str(b), "--identity", "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["requests_per_s"] == 12.0 and merged["commit"] == "6b0e211" and merged["complete"]
+    assert merged["gathered_bit_identical"] == {"identical": True}
+    assert merged["load_call_gathered_bit_identical"] == {"identical": False}  # kept, not hidden
+    assert merged["gathered"]["requests_per_s"] == 4.0 and merged["identity_run"]["commit"] == "d2526f5"
+    assert merged["identity_run"]["kev"]["requests_per_s"] == 5.0 and merged["identity_run"]["command"] == "identity"
+    with pytest.raises(ValueError, match="services' code differs"):
+        load_merge.merge_identity({**load_run, "commit": served_change[0]}, {**identity_run, "commit": served_change[1]})
+    with pytest.raises(ValueError, match="model differs"):
+        load_merge.merge_identity(load_run, {**identity_run, "model": "kev-4b"})
+    with pytest.raises(ValueError, match="no complete gathered run"):
+        load_merge.merge_identity(load_run, load_run)
+
+
 def test_padding_share_is_the_windows_padding_over_its_keyed_tokens():
     real, pad = 'kev_bank_graph_real_tokens_total{kind="state"}', 'kev_bank_graph_padding_tokens_total{kind="state"}'
     before, after = {real: 100.0, pad: 10.0}, {real: 1000.0, pad: 110.0}
     assert load.padding_share(lambda n: after.get(n, 0.0) - before.get(n, 0.0), "bank", "state") == 0.1
     assert load.padding_share(lambda n: 0.0, "scorer", "rows") != load.padding_share(lambda n: 0.0, "scorer", "rows")
+
+
+def test_the_results_name_the_kev_size_they_ran():
+    from types import SimpleNamespace
+
+    from bench.load_report import model_label
+
+    assert model_label(SimpleNamespace(device="cuda", model="kev-27b")) == "Kev-27B shapes, random bf16 weights"
+    assert model_label(SimpleNamespace(device="cuda", model="kev-4b")) == "Kev-4B shapes, random bf16 weights"
+    assert model_label(SimpleNamespace(device="cpu", model="kev-27b")) == "tiny random fp32 (CPU)"
