@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     link = BankLink(config, loaded, builder, metrics)
     batcher = RowBatcher(link, loaded.head, metrics, max_rows_per_pass=config.max_rows_per_pass,
                          max_tokens_per_pass=config.max_tokens_per_pass, max_wait_ms=config.max_wait_ms,
-                         max_queue=config.max_queue)
+                         max_queue=config.max_queue, cut_back=config.row_cut_back)
     service = ScorerService(config, loaded, link, batcher, metrics)
     server = build_server(service)  # health "" SERVING, kev.v1.Scorer NOT_SERVING
     try:

@@ -93,11 +93,12 @@ class _Launched:
     tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Row:
     job: Job
     index: int  # into job.prepared.rows
     tokens: int
+    passed_over: bool = False  # cut from a pass once (`_cut_back`): never again
 
 
 @dataclass(eq=False)
@@ -110,8 +111,9 @@ class _Waiting:
 
 class RowBatcher:
     def __init__(self, link: BankLink, head: DecisionHead, metrics: ScorerMetrics, *, max_rows_per_pass: int,
-                 max_tokens_per_pass: int, max_wait_ms: float, max_queue: int):
+                 max_tokens_per_pass: int, max_wait_ms: float, max_queue: int, cut_back: bool = False):
         self.link, self.head, self.metrics = link, head, metrics
+        self.cut_back = cut_back  # KEV_ROW_CUT_BACK (`_cut_back`)
         self.max_rows, self.max_tokens = max_rows_per_pass, max_tokens_per_pass
         self.max_wait_s, self.max_queue = max_wait_ms / 1000, max_queue
         self._queue: deque[_Waiting] = deque()  # requests with rows waiting, round-robin order
@@ -200,6 +202,8 @@ class RowBatcher:
                     if not self._running or full or timeout <= 0 or self._stopping:
                         if len(picks) < self._rows:  # rows wait beyond this pass: fit it to its graph key
                             picks = picks[: self._rows_to_take(picks)]
+                        elif self.cut_back and self._running:  # loaded: the next pass follows this one
+                            picks = self._cut_back(picks)
                         return self._pop(picks)
                 if inflight:
                     if len(inflight) >= MAX_IN_FLIGHT or inflight[0] not in self._running or self._stopping:
@@ -239,6 +243,19 @@ class RowBatcher:
         rather than spill this one just past a CUDA-graph key's tokens (kev/exec/graphs.py)."""
         att = self.link.current
         return len(picks) if att is None else att.passes.rows_to_take([r.tokens for _, r in picks])
+
+    def _cut_back(self, picks: list[tuple[_Waiting, _Row]]) -> list[tuple[_Waiting, _Row]]:
+        """Called with _cond held, every queued row picked and a pass on the device: the rows to
+        take when the trailing ones can join the next pass, which will follow this one, rather than
+        pad this one up to its key. A row is passed over once at most: a request's deepest rows go
+        first, and its served ones send it to the queue's back, so it could be cut pass after pass."""
+        n = self._rows_to_take(picks)
+        if n == len(picks) or any(r.passed_over for _, r in picks[n:]):
+            return picks
+        for _, r in picks[n:]:
+            r.passed_over = True
+        self.metrics.rows_passed_over.inc(len(picks) - n)
+        return picks[:n]
 
     def _pop(self, picks: list[tuple[_Waiting, _Row]]) -> list[_Row]:
         """Called with _cond held: removes `picks` from their requests; the requests served move to

@@ -56,6 +56,10 @@ class ScorerConfig:
     # rows with the Acquire: an idle bank then answers them in the document's own pass (one sweep
     # over the weights instead of two passes; docs/decisions.md, "Batch windows")
     idle_sweeps: bool = _env("KEV_IDLE_SWEEPS", True)
+    # While a row pass is on the device, the next one is cut back to the graph key below when that
+    # pads less (as a loaded bank's are), its trailing rows passed over once at most; off until the
+    # GPU says what it costs the p99 (docs/decisions.md, "A full pass fits its key")
+    row_cut_back: bool = _env("KEV_ROW_CUT_BACK", False)
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
     max_questions: int = _env("KEV_MAX_QUESTIONS", 10000)  # per request; more is INVALID_ARGUMENT
     # Bounded memory (scorer_service/admission.py): documents over max tokens x this many characters are

@@ -78,6 +78,8 @@ class ScorerMetrics:
                                     registry=r)
         self.idle_sweeps = Counter("kev_scorer_idle_sweeps", "Requests answered in their new document's sweep "
                                    "by the bank", registry=r)
+        self.rows_passed_over = Counter("kev_scorer_rows_passed_over", "Rows cut from a pass to the next "
+                                        "one (KEV_ROW_CUT_BACK)", registry=r)
         self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",
                                     registry=r)
         self.bank_occupancy = Gauge("kev_scorer_bank_occupancy", "Used share of the bank", ["resource"],

@@ -480,3 +480,78 @@ def test_graph_metrics():
     text = generate_latest(bank).decode()
     assert 'kev_bank_graph_passes_total{path="replay"} 9.0' in text and "kev_scorer" not in text
     assert 'kev_bank_graph_padding_tokens_total{kind="state"} 96.0' in text
+
+
+# ---- a loaded scorer's cut-back (KEV_ROW_CUT_BACK) ------------------------------------------------
+
+class CuttingPasses(FakePasses):
+    def rows_to_take(self, row_lens) -> int:  # a ladder whose next step always pads: leave the last row out
+        return max(1, len(row_lens) - 1)
+
+
+@pytest.mark.parametrize("cut_back", [False, True])
+def test_a_loaded_scorer_cuts_its_next_pass_back(monkeypatch, cut_back):
+    """With a pass on the device, a pass of every queued row is cut back to its key's step below
+    (its trailing rows join the next pass) only with KEV_ROW_CUT_BACK; a pass with nothing on the
+    device, or a row passed over before, is never cut."""
+    passes, launched = CuttingPasses(), []
+    gate, first = threading.Event(), threading.Event()
+
+    def fake_launch(self, rows):
+        launched.append([(r.job.prepared.name, r.index) for r in rows])
+        token = object()  # stands in for a pass on the device until its answers are read
+        with self._cond:
+            self._running.add(token)
+        if len(launched) == 1:
+            first.set()
+            assert gate.wait(10)
+        return token
+
+    def fake_finish(self, token):
+        with self._cond:
+            self._running.discard(token)
+
+    monkeypatch.setattr(RowBatcher, "_launch", fake_launch)
+    monkeypatch.setattr(RowBatcher, "_finish", fake_finish)
+    link = SimpleNamespace(current=SimpleNamespace(passes=passes))
+    metrics = ScorerMetrics()
+    batcher = RowBatcher(link, None, metrics, max_rows_per_pass=96, max_tokens_per_pass=1000, max_wait_ms=0,
+                         max_queue=100, cut_back=cut_back)
+    passes.batcher = batcher
+
+    def named(name, n_rows):
+        rows = [SimpleNamespace(prompt=SimpleNamespace(ids=[1, 2, 3]))] * n_rows
+        return SimpleNamespace(name=name, rows=rows)
+
+    try:
+        batcher.submit(named("a", 2), lease=None)
+        assert first.wait(5)  # nothing was on the device: both rows at once, uncut
+        batcher.submit(named("b", 6), lease=None)
+        gate.set()
+        wait_until(lambda: sum(map(len, launched)) == 8, "every row launched")
+    finally:
+        gate.set()
+        batcher.stop(5)
+    b = [("b", i) for i in range(6)]
+    if cut_back:  # b's last row waits for the next pass, and is not cut from it again
+        assert launched == [[("a", 0), ("a", 1)], b[:5], b[5:]]
+        assert metrics.rows_passed_over._value.get() == 1
+    else:
+        assert launched == [[("a", 0), ("a", 1)], b]
+
+
+def test_a_row_is_passed_over_once_at_most():
+    batcher = RowBatcher(SimpleNamespace(current=SimpleNamespace(passes=CuttingPasses())), None, ScorerMetrics(),
+                         max_rows_per_pass=96, max_tokens_per_pass=1000, max_wait_ms=0, max_queue=100,
+                         cut_back=True)
+    try:
+        from scorer_service.batcher import _Row
+
+        w = SimpleNamespace()
+        rows = [_Row(None, i, 3) for i in range(3)]
+        picks = [(w, r) for r in rows]
+        with batcher._cond:
+            assert batcher._cut_back(picks) == picks[:2] and rows[2].passed_over
+            assert batcher._cut_back(picks) == picks  # its trailing row was passed over once already
+    finally:
+        batcher.stop(5)
