@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kev.bank.bank import Bank, BankFull, BankHandle
-from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable, Registration
+from kev.bank.directory import Directory, DirectoryConflict, DirectoryEntry, DirectoryUnavailable, Lease, Registration
 from kev.bank.doc_key import document_key, key_fingerprint
 from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
@@ -132,7 +132,7 @@ class Acquirer:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not waiter.done.wait(0.05):
             if not is_active() or (deadline is not None and time.monotonic() > deadline):
-                if (late := waiter.abandon()) is not None:
+                if (late := waiter.abandon()) is not None and late.lease is not None:
                     self._release_quietly(late.lease.lease_id)
                 raise DeadlineExceeded("gave up waiting for the state pass")
         if waiter.error is not None:
@@ -468,7 +468,9 @@ class Acquirer:
             h = entry.handle
             if new and not active:  # registered unpinned: the next Acquire finds it
                 regs.append(Registration(job.doc_key, h.slot, h.generation, entry.length))
-            regs.extend(Registration(job.doc_key, h.slot, h.generation, entry.length, w.lease_s) for w in active)
+            # a caller whose rows the sweep answered reads nothing from the bank: no pin, no Release
+            regs.extend(Registration(job.doc_key, h.slot, h.generation, entry.length,
+                                     w.lease_s if w.probabilities is None else None) for w in active)
         try:
             results: list = self.directory.register_many(regs)
             unreachable = None
@@ -502,10 +504,11 @@ class Acquirer:
         for waiter, r in zip(active, results[: len(active)], strict=True):  # (none: the one unpinned)
             failed = failed or isinstance(r, Exception)
             if failed:
-                if not isinstance(r, Exception):
+                if isinstance(r, Lease):
                     self._release_quietly(r.lease_id)
                 waiter.fail(Unavailable(f"directory: {failure}"))
-            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r, waiter.probabilities)):
+            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r, waiter.probabilities)) \
+                    and r is not None:
                 self._release_quietly(r.lease_id)
 
     def _fail(self, job: Job, error: ServiceError) -> None:

@@ -19,7 +19,7 @@ class Acquired:
     handle: BankHandle
     length: int
     cached: bool  # the state was in the bank already: no state pass ran for this call
-    lease: Lease
+    lease: Lease | None  # None: a swept caller's, who reads nothing from the bank, so holds no pin
     probabilities: list[float] | None = None  # the caller's rows answered in the document's sweep
 
 

@@ -111,10 +111,11 @@ class BankServicer(bank_pb2_grpc.BankServicer):
             s.metrics.acquires.labels(result=e.label).inc()
             abort(context, e)
         s.metrics.acquires.labels(result="hit" if got.cached else "miss").inc()
+        pin = got.lease  # None for a swept caller: no lease to hold or release
         return pb.AcquireResponse(
             handle=pb.Handle(slot=got.handle.slot, generation=got.handle.generation),
-            document_length=got.length, cached=got.cached, lease_id=got.lease.lease_id,
-            lease_expires_unix_ms=got.lease.expires_at_ms, doc_key=got.doc_key,
+            document_length=got.length, cached=got.cached, lease_id=pin.lease_id if pin else "",
+            lease_expires_unix_ms=pin.expires_at_ms if pin else 0, doc_key=got.doc_key,
             swept=got.probabilities is not None, row_probabilities=got.probabilities or ())
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:

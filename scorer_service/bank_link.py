@@ -258,6 +258,13 @@ class BankLink:
             lease = DocLease(BankHandle(resp.handle.slot, resp.handle.generation), resp.lease_id,
                              resp.document_length, resp.cached, att, 0.0,
                              probabilities=list(resp.row_probabilities) if resp.swept else None)
+            if resp.swept and not resp.lease_id:  # answered in the bank's sweep: no pin, nothing to read
+                if lease.length != len(document_ids):
+                    raise ServiceError(f"bank entry holds {lease.length} tokens, the document has {len(document_ids)}")
+                lease.released = True
+                lease.acquire_ms = (time.perf_counter() - start) * 1000
+                self.metrics.lookup(lease.cached)
+                return lease
         self._count_pin(+1)
         try:
             if not self._confirm(att):

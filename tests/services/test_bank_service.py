@@ -141,7 +141,8 @@ def test_miss_then_hit(bank, redis_srv):
 def test_rows_on_a_new_document_are_answered_in_its_sweep(bank, loaded):
     """AcquireRequest.rows on an idle bank: the document's pass answers them (swept, the head's
     probabilities: bit for bit the two passes' in this process, float32 on the wire); the entry is
-    stored and pinned as by any Acquire; on a hit the rows are ignored."""
+    stored as by any Acquire but not pinned (the caller reads nothing from the bank: no lease, no
+    Release); on a hit the rows are ignored and the caller is pinned as usual."""
     from kev.request.answers import option_probabilities
 
     stub, ids = bank.stub(), doc(30, "sweep")
@@ -152,6 +153,8 @@ def test_rows_on_a_new_document_are_answered_in_its_sweep(bank, loaded):
     before = counter(bank, "kev_bank_sweeps_total")
     got = stub.Acquire(request, timeout=30)
     assert got.swept and not got.cached and counter(bank, "kev_bank_sweeps_total") == before + 1
+    assert got.lease_id == "" and got.lease_expires_unix_ms == 0
+    assert stub.Stats(pb.StatsRequest(), timeout=10).pins_held == 0
     passes = Passes(loaded.model, Bank.allocate(loaded.model.cfg, num_slots=2, num_blocks=8, block_size=64),
                     get_ops("torch"))
     h = passes.bank.alloc(len(ids))
@@ -160,8 +163,9 @@ def test_rows_on_a_new_document_are_answered_in_its_sweep(bank, loaded):
     want = option_probabilities(loaded.head, hidden, [2, 1]).tolist()
     assert list(got.row_probabilities) == want
     again = stub.Acquire(request, timeout=30)
-    assert again.cached and not again.swept and not again.row_probabilities
-    assert release(stub, got) and release(stub, again)
+    assert again.cached and not again.swept and not again.row_probabilities and again.lease_id
+    assert stub.Stats(pb.StatsRequest(), timeout=10).pins_held == 1
+    assert release(stub, again)
 
 
 def test_concurrent_acquires_of_one_document_pass_it_once(bank):

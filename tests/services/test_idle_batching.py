@@ -414,10 +414,11 @@ def test_an_idle_bank_answers_a_new_documents_rows_in_its_sweep(loaded, sweeping
     ids, rows, _ = sweep_rows(loaded, 0)
     got = sweeping_bank.acq.acquire(ids, 30, 10, rows=rows)
     assert not got.cached and got.probabilities == two_pass_probabilities(loaded, ids, rows)
+    assert got.lease is None  # the caller reads nothing from the bank: it holds no pin
     assert sweeping_bank.held.passes == []  # the sweep, not `state_pass`
     assert sweeping_bank.acq.metrics.sweeps._value.get() == 1
     again = sweeping_bank.acq.acquire(ids, 30, 10, rows=rows)
-    assert again.cached and again.probabilities is None and again.handle == got.handle
+    assert again.cached and again.probabilities is None and again.handle == got.handle and again.lease is not None
     other, _, _ = sweep_rows(loaded, 1)
     assert sweeping_bank.acq.acquire(other, 30, 10).probabilities is None
 

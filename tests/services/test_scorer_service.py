@@ -91,6 +91,7 @@ def test_answers_equal_in_process_engine(served):
         for r, w in zip(requests[:20], want[:20]):
             assert_same(score(stub, r), w)
         assert scorer_metric(stack, "kev_scorer_idle_sweeps_total") > 0
+        assert scorer_metric(stack, "kev_scorer_pins_held") == 0  # a swept request holds none, releases none
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda r: score(stub, r), requests))
     for g, w in zip(got, want):
