@@ -367,12 +367,12 @@ class Acquirer:
         Only for documents already waiting: evicting for ones that may come (an idle reserve) would
         cost entries a repeat could still hit. Best effort: a Redis fault, or nothing evictable,
         leaves it to `_alloc`."""
-        for _ in range(4):  # a few entries' pages may not make up one long document's
-            slots, pages = self.bank.shortfall(doc_lens)
-            if not (slots or pages):
+        for _ in range(4):  # the entries evicted may hold fewer pages than their mean
+            count = self.bank.entries_to_free(doc_lens)
+            if not count:
                 return
             try:
-                if not self._evict(max(slots, 1)):
+                if not self._evict(count):
                     return
             except Exception as e:  # noqa: BLE001 - best effort beside a running pass, never its failure
                 log.warning("eviction ahead of the next pass failed: %s", e)
@@ -418,14 +418,16 @@ class Acquirer:
 
     def _alloc(self, tokens: int, wanted: int = 1) -> BankHandle:
         """A slot and pages, evicting least-recently-used unpinned entries while the bank is full.
-        The first eviction takes `wanted` entries (the documents of this pass still to place: a
-        full bank needs a slot for each, so one Redis call for the pass, not one per document);
-        then one at a time, as a long document may need several entries' pages."""
+        The first eviction takes `wanted` entries at least (the documents of this pass still to
+        place: a full bank needs a slot for each, so one Redis call for the pass, not one per
+        document), and as many as this document's pages need at the entries' mean size
+        (`Bank.entries_to_free`: a long document at a bank of short entries, one call, not one
+        per entry); again while the entries evicted held fewer pages than that."""
         while True:
             try:
                 return self.bank.alloc(tokens)
             except BankFull:
-                if not self._evict(max(1, wanted)):
+                if not self._evict(max(1, wanted, self.bank.entries_to_free([tokens]))):
                     raise
                 wanted = 1
 

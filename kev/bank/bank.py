@@ -139,6 +139,19 @@ class Bank:
         with self._lock:
             return max(0, len(doc_lens) - len(self._free_slots)), max(0, need - len(self._free_blocks))
 
+    def entries_to_free(self, doc_lens: Sequence[int]) -> int:
+        """How many entries to evict at once so documents of `doc_lens` tokens fit: the missing
+        slots, or the missing pages at the held entries' mean pages, whichever is more (0: they
+        fit). One guess for one eviction call: a long document at a bank of short entries would
+        otherwise free them one call at a time."""
+        slots, pages = self.shortfall(doc_lens)
+        if not pages:
+            return slots
+        with self._lock:
+            held = len(self._used) - len(self._free_slots)
+            mean = (self.pools.num_blocks - len(self._free_blocks)) / held if held else 1.0
+        return max(slots, -(-pages // max(1, round(mean))))
+
     def free(self, handle: BankHandle) -> None:
         with self._lock:
             self._check(handle)

@@ -539,7 +539,7 @@ def test_new_states_are_done_on_the_device_before_anyone_hears_of_them():
     passes = SimpleNamespace(state_pass=lambda docs, handles, starts: order.append("state_pass"),
                              synchronize=lambda: order.append("synchronize"))
     bank = SimpleNamespace(alloc=lambda n: BankHandle(len(order), 1), bind=lambda handle, fingerprint: None,
-                           shortfall=lambda lens: (0, 0))
+                           shortfall=lambda lens: (0, 0), entries_to_free=lambda lens: 0)
 
     def register_many(regs):
         order.extend("register" for _ in regs)

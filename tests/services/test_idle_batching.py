@@ -292,10 +292,12 @@ class HeldStatePasses:
 
 @contextlib.contextmanager
 def running_bank(loaded, redis_server, namespace: str, max_pass_tokens: int, slots: int | None = None,
-                 sweeps: SweepLimits | None = None):
-    """An Acquirer over torch state passes (`HeldStatePasses`), started, stopped on the way out."""
+                 sweeps: SweepLimits | None = None, blocks: int | None = None):
+    """An Acquirer over torch state passes (`HeldStatePasses`), started, stopped on the way out;
+    `slots` (and `blocks`, of 64 tokens: twice the slots by default) for a small bank."""
     store = (Bank.from_budget(loaded.model.cfg, 4 << 20, avg_doc_tokens=64, max_doc_tokens=512) if slots is None
-             else Bank.allocate(loaded.model.cfg, num_slots=slots, num_blocks=slots * 2, block_size=64, max_doc_tokens=128))
+             else Bank.allocate(loaded.model.cfg, num_slots=slots, num_blocks=blocks or slots * 2, block_size=64,
+                                max_doc_tokens=512 if blocks else 128))
     passes = PassBuilder(loaded.model, get_ops("torch"), PassRole.STATES, GraphPlan()).build(store)
     held = HeldStatePasses(passes)
     directory = Directory(redis_server.client(), loaded.model_id, namespace)
@@ -627,6 +629,36 @@ def test_a_full_bank_evicts_for_the_next_pass_while_this_one_runs(loaded, redis_
         assert all(not isinstance(r, Exception) for r in first[1] + more[1])
         assert events == [("evict", 1), ("pass", 1), ("evict", 1), ("register", 1), ("pass", 1), ("register", 1)]
         assert bank.acq.evictions == 2 and bank.store.stats().slots_used == 3
+
+
+def test_a_long_document_at_a_bank_of_short_entries_evicts_in_one_call(loaded, redis_server):
+    """Twelve slots and twelve pages, each held by a released one-page entry: a 300-token document
+    (five pages) gets its room in one eviction of five entries (`Bank.entries_to_free`: the pages
+    missing at the entries' mean size), not five calls of one."""
+    with running_bank(loaded, redis_server, "long-after-short", 16384, slots=12, blocks=12) as bank:
+        for i in range(12):
+            bank.acq.release(bank.acq.acquire(tokens(i, 40), 30, 10).lease.lease_id)
+        assert bank.store.shortfall([300]) == (1, 5) and bank.store.entries_to_free([300]) == 5
+        events = []
+        evict = bank.directory.evict_if_unpinned
+        bank.directory.evict_if_unpinned = lambda n, **kw: events.append(n) or evict(n, **kw)
+        got = bank.acq.acquire(tokens(99, 300), 30, 10)
+        assert not got.cached and events == [5] and bank.acq.evictions == 5
+
+
+def test_entries_to_free_counts_the_missing_pages_at_the_mean_entry(loaded):
+    cfg = loaded.model.cfg
+    store = Bank.allocate(cfg, num_slots=8, num_blocks=8, block_size=64, max_doc_tokens=512)
+    assert store.entries_to_free([448]) == 0  # seven pages of eight free
+    for _ in range(2):
+        store.alloc(128)  # two entries of two pages: six slots and four pages left
+    assert store.shortfall([448]) == (0, 3) and store.entries_to_free([448]) == 2  # 3 pages at 2 an entry
+    assert store.shortfall([64] * 7) == (1, 3) and store.entries_to_free([64] * 7) == 2
+    assert store.entries_to_free([64] * 4) == 0
+    slots_only = Bank.allocate(cfg, num_slots=2, num_blocks=8, block_size=64, max_doc_tokens=512)
+    for _ in range(2):
+        slots_only.alloc(64)
+    assert slots_only.shortfall([64]) == (1, 0) and slots_only.entries_to_free([64]) == 1
 
 
 # ---- the whole path ----------------------------------------------------------------------------
