@@ -646,6 +646,38 @@ def test_a_long_document_at_a_bank_of_short_entries_evicts_in_one_call(loaded, r
         assert not got.cached and events == [5] and bank.acq.evictions == 5
 
 
+def test_an_acquire_during_a_passs_registration_joins_that_pass(loaded, redis_server):
+    """An Acquire of a document whose pass is over but whose entry is not in the directory yet
+    finds the directory without it and queues it again; the worker then finds it live and pins
+    it (`_process`): one pass, one entry, both callers pinned on it, never a second pass whose
+    registration would conflict with the first (UNAVAILABLE for a good request)."""
+    with running_bank(loaded, redis_server, "join-late", 16384) as bank:
+        ids = tokens(7, 60)
+        entered, go = threading.Event(), threading.Event()
+        register = bank.directory.register_many
+
+        def held_register(regs):
+            if not entered.is_set():
+                entered.set()
+                assert go.wait(10)
+            return register(regs)
+
+        bank.directory.register_many = held_register
+        first = in_threads(bank.acq.acquire, [(ids, 30, 10)])
+        assert entered.wait(10)  # the pass is over, its registration held
+        second = in_threads(bank.acq.acquire, [(ids, 30, 10)])
+        time.sleep(0.2)  # the second Acquire finds the directory without the document meanwhile
+        go.set()
+        for t in first[0] + second[0]:
+            t.join(10)
+        (a,), (b,) = first[1], second[1]
+        assert not isinstance(a, Exception) and not isinstance(b, Exception), (a, b)
+        assert a.handle == b.handle and bank.held.passes == [[60]] and not a.cached and b.cached
+        assert bank.directory.stats().pins_held == 2
+        for got in (a, b):
+            bank.acq.release(got.lease.lease_id)
+
+
 def test_entries_to_free_counts_the_missing_pages_at_the_mean_entry(loaded):
     cfg = loaded.model.cfg
     store = Bank.allocate(cfg, num_slots=8, num_blocks=8, block_size=64, max_doc_tokens=512)
