@@ -17,6 +17,7 @@ import time
 import torch
 
 from kev.loading import LoadedModel
+from kev.request.doc_cache import DocumentCache
 from kev.serving.interpreter import freeze_startup_heap, set_switch_interval
 from kev.serving.errors import DeadlineExceeded, Exhausted, ServiceError, Unavailable
 from kev.serving.grpc_server import ListenError
@@ -99,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
                               weights=False)
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
              config.ops_backend)
+    if config.document_cache_tokens:
+        loaded.builder.documents = DocumentCache(config.document_cache_tokens)
     metrics = ScorerMetrics()
+    if loaded.builder.documents is not None:
+        metrics.watch_document_cache(loaded.builder.documents)
     # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/exec/passes.py).
     ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)
     # each attachment brings its model; the head runs inside the row graphs (kev/request/answers.py)

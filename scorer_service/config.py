@@ -60,6 +60,9 @@ class ScorerConfig:
     # pads less (as a loaded bank's are), its trailing rows passed over once at most; off until the
     # GPU says what it costs the p99 (docs/decisions.md, "A full pass fits its key")
     row_cut_back: bool = _env("KEV_ROW_CUT_BACK", False)
+    # Token ids of the documents seen lately, by their text (kev/request/doc_cache.py): a repeated
+    # document is not tokenized again. Up to this many tokens, 4 bytes each; 0: no cache
+    document_cache_tokens: int = _env("KEV_DOCUMENT_CACHE_TOKENS", 1 << 20)
     max_queue: int = _env("KEV_MAX_QUEUE", 4096)  # rows waiting (each request counts at most one pass's rows)
     max_questions: int = _env("KEV_MAX_QUESTIONS", 10000)  # per request; more is INVALID_ARGUMENT
     # Bounded memory (scorer_service/admission.py): documents over max tokens x this many characters are
@@ -109,6 +112,8 @@ class ScorerConfig:
             raise ConfigError(f"KEV_OPS must be one of {', '.join(OPS_BACKENDS)}, got {self.ops!r}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"KEV_MAX_WAIT_MS must be >= 0, got {self.max_wait_ms}")
+        if self.document_cache_tokens < 0:
+            raise ConfigError(f"KEV_DOCUMENT_CACHE_TOKENS must be >= 0 (0: no cache), got {self.document_cache_tokens}")
         if self.switch_interval_ms < 0:
             raise ConfigError(f"--switch-interval-ms must be >= 0, got {self.switch_interval_ms}")
         if self.lease_seconds <= 0 or self.bank_timeout_s <= 0 or self.default_deadline_s <= 0:

@@ -22,6 +22,10 @@
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_idle_sweeps_total             counter    requests the bank answered in their new document's sweep
                                                         (sent while this scorer was idle; no row pass here)
+    kev_scorer_rows_passed_over_total        counter    rows cut from a row pass to the next (KEV_ROW_CUT_BACK)
+    kev_scorer_document_cache_lookups_total{result} counter  documents found (hit) or tokenized (miss) in the
+                                                        tokenized-document cache (KEV_DOCUMENT_CACHE_TOKENS)
+    kev_scorer_document_cache_tokens         gauge      tokens the cache holds now
     kev_scorer_bank_occupancy{resource}      gauge      used / total of the bank's slots and K/V blocks
     kev_scorer_pins_held                     gauge      directory leases this process holds now
     kev_scorer_wrong_entries_total           counter    directory entries found pointing at another document's
@@ -41,6 +45,7 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kev.serving.graph_metrics import GraphCollector
 
@@ -121,6 +126,11 @@ class ScorerMetrics:
         None on CPU: nothing exported). The passes count them; nothing here touches a pass."""
         self.registry.register(GraphCollector("kev_scorer", stats))
 
+    def watch_document_cache(self, cache) -> None:
+        """Export the document cache's lookups and size (`kev.request.doc_cache.DocumentCache`, read
+        at scrape time)."""
+        self.registry.register(_DocumentCacheCollector(cache))
+
     def set_occupancy(self, slots_used: int, slots_total: int, blocks_used: int, blocks_total: int) -> None:
         self.bank_occupancy.labels(resource="slots").set(slots_used / max(slots_total, 1))
         self.bank_occupancy.labels(resource="blocks").set(blocks_used / max(blocks_total, 1))
@@ -146,3 +156,20 @@ class ScorerMetrics:
 
     def close(self) -> None:
         self._stop.set()
+
+
+class _DocumentCacheCollector:
+    def __init__(self, cache):
+        self.cache = cache
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        lookups = CounterMetricFamily("kev_scorer_document_cache_lookups", "Documents looked up in the "
+                                      "tokenized-document cache, by result", labels=["result"])
+        lookups.add_metric(["hit"], self.cache.hits)
+        lookups.add_metric(["miss"], self.cache.misses)
+        yield lookups
+        yield GaugeMetricFamily("kev_scorer_document_cache_tokens", "Tokens held in the tokenized-document cache",
+                                value=self.cache.tokens)

@@ -66,6 +66,7 @@ from dataclasses import dataclass, fields
 from tokenizers import Tokenizer
 
 from kev.request.api import Choice, JsonDocument, Question, QuestionType, ScoreRequest
+from kev.request.doc_cache import DocumentCache
 from kev.model.config import CheckpointError
 from kev.request.errors import DocumentTooLong, InvalidRequest, RowTooLong, question_field
 
@@ -281,6 +282,7 @@ class PromptBuilder:
         self._reserved = self.ids.all
         self._plain = _plain_text_tokenizer(tokenizer, delimiters)
         self.unknown_id = _unknown_token_id(tokenizer)  # None: the tokenizer has no unknown token
+        self.documents: DocumentCache | None = None  # set: repeated documents are not tokenized again
 
     def count_unknown(self, ids: Sequence[int]) -> int:
         """How many of `ids` are the tokenizer's unknown token (text outside the vocabulary)."""
@@ -298,8 +300,22 @@ class PromptBuilder:
 
     def document_tokens(self, doc: JsonDocument, truncate: bool = False) -> tuple[list[int], bool]:
         """`[<state>] + tokens(render_document(doc))`, at most max_document_tokens (head kept)."""
-        (ids,) = self.encode_text([render_document(doc)], ["document"])
+        _, ids = self._encode_with_document([], [], render_document(doc))
         return self._document(ids, truncate)
+
+    def _encode_with_document(self, texts: list[str], fields: list[str], document: str
+                              ) -> tuple[list[list[int]], list[int]]:
+        """`encode_text` of `texts` and of `document` in one tokenizer call, the document's ids
+        from `documents` when it was seen lately (then only `texts` are encoded)."""
+        cache = self.documents
+        key = cache.key(document) if cache is not None else None
+        doc_ids = cache.get(key) if cache is not None else None
+        if doc_ids is not None:
+            return (self.encode_text(texts, fields) if texts else []), doc_ids
+        *ids, doc_ids = self.encode_text([*texts, document], [*fields, "document"])
+        if cache is not None:
+            cache.put(key, doc_ids)
+        return ids, doc_ids
 
     def _document(self, ids: list[int], truncate: bool) -> tuple[list[int], bool]:
         limit = self.limits.max_document_tokens
@@ -329,12 +345,12 @@ class PromptBuilder:
             texts += t
             fields += f
             counts.append(len(t))
-        ids = self.encode_text([*texts, render_document(doc)], [*fields, "document"])
+        ids, doc_ids = self._encode_with_document(texts, fields, render_document(doc))
         rows, at = [], 0
         for prefix, n in zip(prefixes, counts):
             rows.append(self._row(ids[at : at + n], prefix))
             at += n
-        return rows, *self._document(ids[-1], truncate)
+        return rows, *self._document(doc_ids, truncate)
 
     def _row(self, segments: Sequence[list[int]], prefix: str) -> RowPrompt:
         """A row from its encoded instructions and options (`_row_texts` order)."""

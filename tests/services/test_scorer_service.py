@@ -102,6 +102,8 @@ def test_answers_equal_in_process_engine(served):
         again = score(scorer_pb2_grpc.ScorerStub(channel), requests[0])
     assert again.usage.cached_state_tokens == again.usage.document_tokens
     assert directory(stack).pins_held() == 0
+    # ... and its ids from the scorer's tokenized-document cache (bit for bit: the answers above)
+    assert scorer_metric(stack, 'kev_scorer_document_cache_lookups_total{result="hit"}') >= 1
 
 
 def test_scorers_map_the_banks_weights(served):
