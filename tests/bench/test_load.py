@@ -487,3 +487,14 @@ def test_the_results_name_the_kev_size_they_ran():
     assert model_label(SimpleNamespace(device="cuda", model="kev-27b")) == "Kev-27B shapes, random bf16 weights"
     assert model_label(SimpleNamespace(device="cuda", model="kev-4b")) == "Kev-4B shapes, random bf16 weights"
     assert model_label(SimpleNamespace(device="cpu", model="kev-27b")) == "tiny random fp32 (CPU)"
+
+
+def test_the_prepare_benchmark_runs(tmp_path):
+    """bench/prepare.py on a few requests: every workload measured, the repeats' figures positive."""
+    from bench import prepare
+    from bench.random_checkpoint import write_random_checkpoint
+
+    out = prepare.measure(str(write_random_checkpoint(tmp_path / "tiny", "tiny")), n_requests=4, reps=1)
+    assert set(out) == set(prepare.WORKLOADS_MEASURED)
+    for figures in out.values():
+        assert figures["repeat_cached_ms"] > 0 and figures["repeat_no_cache_ms"] > 0 and figures["doc_tokens_mean"] > 1
