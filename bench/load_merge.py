@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--identity", action="store_true",
                    help="take only the identity check (and the gathered scorer, if the first has none) from the second")
     args = p.parse_args(argv)
+    if args.identity and args.png:
+        p.error("--png plots a merge with the baseline; an --identity merge has none to plot")
     with open(args.with_baseline) as a, open(args.with_gathered) as b:
         merged = (merge_identity if args.identity else merge)(json.load(a), json.load(b))
     write_json(args.out, merged)
-    if args.identity:
-        return 0
     if args.png:
         from bench.load_plots import plot_sweeps
 

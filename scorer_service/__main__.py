@@ -100,10 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                               weights=False)
     log.info("model %s loaded in %.1f s; ops backend %s", loaded.model_id, time.perf_counter() - start,
              config.ops_backend)
+    metrics = ScorerMetrics()
     if config.document_cache_tokens:
         loaded.builder.documents = DocumentCache(config.document_cache_tokens)
-    metrics = ScorerMetrics()
-    if loaded.builder.documents is not None:
         metrics.watch_document_cache(loaded.builder.documents)
     # One builder per process: on CUDA it owns the class tuner and the graphs' counters (kev/exec/passes.py).
     ops = get_ops(config.ops_backend, gathered_max_prefix_tokens=config.gathered_max_prefix_tokens)

@@ -258,19 +258,18 @@ class BankLink:
             lease = DocLease(BankHandle(resp.handle.slot, resp.handle.generation), resp.lease_id,
                              resp.document_length, resp.cached, att, 0.0,
                              probabilities=list(resp.row_probabilities) if resp.swept else None)
-            if resp.swept and not resp.lease_id:  # answered in the bank's sweep: no pin, nothing to read
-                if lease.length != len(document_ids):
-                    raise ServiceError(f"bank entry holds {lease.length} tokens, the document has {len(document_ids)}")
-                lease.released = True
-                lease.acquire_ms = (time.perf_counter() - start) * 1000
-                self.metrics.lookup(lease.cached)
-                return lease
-        self._count_pin(+1)
+        # answered in the bank's sweep, no pin: nothing is read from the bank, so nothing to check or release
+        pinned = lease.probabilities is None or bool(lease.lease_id)
+        if pinned:
+            self._count_pin(+1)
+        else:
+            lease.released = True
         try:
-            if not self._confirm(att):
-                raise StaleAttachment("the bank restarted while the document was looked up")
-            lease.fingerprint = key_fingerprint(key)
-            self._check_document(att, key, lease)
+            if pinned:
+                if not self._confirm(att):
+                    raise StaleAttachment("the bank restarted while the document was looked up")
+                lease.fingerprint = key_fingerprint(key)
+                self._check_document(att, key, lease)
             if lease.length != len(document_ids):
                 raise ServiceError(f"bank entry holds {lease.length} tokens, the document has {len(document_ids)}")
         except BaseException:
