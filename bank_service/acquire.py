@@ -16,9 +16,12 @@
     as the requests holding the pins finish), runs ONE state pass for the batch (an idle sweep
     instead when the pass holds one new document alone, nothing is queued behind it and its caller
     brought its question rows: the document and the rows in one sweep, the rows' answers returned
-    with the handle, `_sweeper`), waits for the GPU to finish it (a scorer reads the states from its own process), then
+    with the handle, `_sweeper`), waits for the GPU to finish it (a scorer reads the states from its own process),
+    answers the swept caller (no pin: it reads nothing from the bank), then
     registers each finished entry READY with a pin per waiter (register(..., pin_lease_s)).
-    Idle (nothing queued), it captures one queued CUDA graph at a time (kev/exec/passes.py; CUDA only).
+    Idle after a pass, it keeps the room of one more entry (`_keep_room`); idle, it captures one
+    queued CUDA graph at a time (kev/exec/passes.py; CUDA only).
+    An Acquire that brings rows skips the look-up: its scorer missed the directory just now.
 
 One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
 recovery after a Redis restart), so no two of those interleave. `live` (doc_key -> handle) is
@@ -108,8 +111,11 @@ class Acquirer:
         when the document is new and its pass runs it alone (`_sweeper`)."""
         start = time.perf_counter()
         doc_key = document_key(self.model_id, tokens)
+        # A caller that brings rows missed the directory just now (a scorer sends them only then):
+        # no second look. A document registered meanwhile is found live by the worker and pinned
+        # there (`_process`), at the cost of a hop to the worker, not of a pass.
         try:
-            lease = self.directory.lookup_and_pin(doc_key, lease_s)
+            lease = None if rows is not None else self.directory.lookup_and_pin(doc_key, lease_s)
         except DirectoryUnavailable as e:
             raise Unavailable(str(e)) from e
         if lease is not None:
@@ -201,6 +207,8 @@ class Acquirer:
                 self._process(batch, reconcile)
                 if not batch:  # idle: nothing waits behind a capture
                     self.passes.capture_when_idle()
+                else:
+                    self._keep_room()
             except Exception as e:  # noqa: BLE001 - the worker must survive; its jobs learn why
                 log.exception("state-pass worker failed")
                 for piece in batch:
@@ -300,9 +308,7 @@ class Acquirer:
             evicted = time.perf_counter()
             self.passes.synchronize()  # the states are on the GPU before any scorer hears of them
             if sweeper is not None:
-                sweeper.probabilities = probs.tolist()
-                self.metrics.sweeps.inc()
-                self.metrics.sweep_rows.inc(len(sweeper.rows.ids))
+                self._answer_sweeper(run[0].job, sweeper, probs.tolist())
         except Exception as e:
             log.exception("state pass failed")
             for piece in run:
@@ -336,6 +342,16 @@ class Acquirer:
             if self._queue:
                 return None
             return next((w for w in piece.job.waiters if w.rows is not None and not w.abandoned), None)
+
+    def _answer_sweeper(self, job: Job, waiter: Waiter, probabilities: list[float]) -> None:
+        """The swept caller's answers, before the entry's registration: it reads nothing from the
+        bank and holds no pin, so it need not wait for Redis (a round trip of its request's time).
+        It leaves the job's waiters; the entry is registered by `_finish` as for any pass."""
+        with self._cv:
+            job.waiters.remove(waiter)
+        waiter.resolve(Acquired(job.doc_key, job.handle, len(job.tokens), False, None, probabilities))
+        self.metrics.sweeps.inc()
+        self.metrics.sweep_rows.inc(len(waiter.rows.ids))
 
     def _sweep(self, piece: Piece, rows: SweepRows):
         """The document's state pass and `rows` (continuing it) in one sweep, then the head: [O]
@@ -377,6 +393,17 @@ class Acquirer:
             except Exception as e:  # noqa: BLE001 - best effort beside a running pass, never its failure
                 log.warning("eviction ahead of the next pass failed: %s", e)
                 return
+
+    def _keep_room(self) -> None:
+        """After a pass that left nothing queued, room for one more document of the held entries'
+        mean size (least recently used unpinned entries evicted). A full bank, as any long-running
+        one is, would otherwise make the next new document that finds it idle wait for an eviction
+        round trip to Redis before its pass; this spends it now, off that document's path, for one
+        entry of the bank's. Under load `_evict_ahead` does it for the documents already queued."""
+        with self._cv:
+            if self._queue:
+                return
+        self._evict_ahead([self.bank.mean_entry_tokens()])
 
     def _requeue(self, jobs: list[Job]) -> None:
         """Documents part-way through go back to the queue's front, in order, for their next piece;
@@ -470,9 +497,7 @@ class Acquirer:
             h = entry.handle
             if new and not active:  # registered unpinned: the next Acquire finds it
                 regs.append(Registration(job.doc_key, h.slot, h.generation, entry.length))
-            # a caller whose rows the sweep answered reads nothing from the bank: no pin, no Release
-            regs.extend(Registration(job.doc_key, h.slot, h.generation, entry.length,
-                                     w.lease_s if w.probabilities is None else None) for w in active)
+            regs.extend(Registration(job.doc_key, h.slot, h.generation, entry.length, w.lease_s) for w in active)
         try:
             results: list = self.directory.register_many(regs)
             unreachable = None
@@ -509,7 +534,7 @@ class Acquirer:
                 if isinstance(r, Lease):
                     self._release_quietly(r.lease_id)
                 waiter.fail(Unavailable(f"directory: {failure}"))
-            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r, waiter.probabilities)) \
+            elif not waiter.resolve(Acquired(job.doc_key, h, entry.length, not new, r)) \
                     and r is not None:
                 self._release_quietly(r.lease_id)
 

@@ -60,7 +60,6 @@ class Waiter:
     def __init__(self, lease_s: float, rows: SweepRows | None = None):
         self.lease_s = lease_s
         self.rows = rows  # to answer in the document's sweep if the bank is idle (else ignored)
-        self.probabilities: list[float] | None = None  # set when they were
         self.done = threading.Event()
         self.result: Acquired | None = None
         self.error: ServiceError | None = None

@@ -147,10 +147,17 @@ class Bank:
         slots, pages = self.shortfall(doc_lens)
         if not pages:
             return slots
+        return max(slots, -(-pages // self._mean_entry_pages()))
+
+    def _mean_entry_pages(self) -> int:
         with self._lock:
             held = len(self._used) - len(self._free_slots)
-            mean = (self.pools.num_blocks - len(self._free_blocks)) / held if held else 1.0
-        return max(slots, -(-pages // max(1, round(mean))))
+            pages = self.pools.num_blocks - len(self._free_blocks)
+        return max(1, round(pages / held) if held else 1)
+
+    def mean_entry_tokens(self) -> int:
+        """The held entries' mean size in tokens of whole pages (one page with none held)."""
+        return self._mean_entry_pages() * self.block_size
 
     def free(self, handle: BankHandle) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
 from kev.v1 import bank_pb2 as pb
 from redis_server import RedisServer
+from service_support import wait_for
 from tiny_stack import TINY_MODEL_ID, make_tiny_checkpoint, pack_tokens, start_bank
 
 NODE = "test-node"
@@ -347,9 +348,10 @@ def test_redis_outage_and_restart(bank, redis_srv):
 
 
 def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path):
-    """A 4-slot bank: the least recently used unpinned entry goes, pinned ones never; with every
-    entry pinned a new document is refused and nothing leaks; a holder that never releases
-    (crashed) stops protecting its entry once its lease runs out. Then a clean SIGTERM."""
+    """A 4-slot bank: the least recently used unpinned entry goes, pinned ones never (a full bank
+    going idle frees the room of one entry, `_keep_room`); with every entry pinned a new document
+    is refused and nothing leaks; a holder that never releases (crashed) stops protecting its
+    entry once its lease runs out. Then a clean SIGTERM."""
     node = "small-node"
     small = start_bank(ckpt, redis_srv.url, tmp_path, memory_bytes=4 * 33280, node=node, metrics=False,
                        extra_args=("--full-wait-ms", "300"))
@@ -359,20 +361,22 @@ def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path
         d = [doc(20 + i, f"evict{i}") for i in range(6)]
         keys = [document_key(TINY_MODEL_ID, x) for x in d]
         live = lambda: {e.doc_key for e in Directory(redis_srv.client(), TINY_MODEL_ID, node).entries()}  # noqa: E731
+        evictions = lambda: stub.Stats(pb.StatsRequest(), timeout=10).evictions  # noqa: E731
 
         pinned0 = acquire(stub, d[0])  # the oldest entry, pinned throughout
-        for i in (1, 2, 3):
+        for i in (1, 2):
             assert release(stub, acquire(stub, d[i]))
         assert release(stub, acquire(stub, d[1]))  # d1 used again: LRU unpinned is now d2
-        held4 = acquire(stub, d[4])
-        assert not held4.cached
-        assert live() == {keys[0], keys[1], keys[3], keys[4]}
-        assert stub.Stats(pb.StatsRequest(), timeout=10).evictions == 1
+        held3 = acquire(stub, d[3])  # the bank is full: idle, it frees room for one more
+        assert not held3.cached
+        wait_for(lambda: evictions() == 1, 5, "the room kept after the pass", every=0.01)
+        assert live() == {keys[0], keys[1], keys[3]}
 
-        crashed3 = acquire(stub, d[3], lease_ms=600)  # a holder that will never release
-        held1 = acquire(stub, d[1])
-        assert crashed3.cached and held1.cached
+        crashed1 = acquire(stub, d[1], lease_ms=600)  # a holder that will never release
+        held4 = acquire(stub, d[4])
+        assert crashed1.cached and not held4.cached
         before = stub.Stats(pb.StatsRequest(), timeout=10)
+        assert before.slots_used == 4 and before.evictions == 1  # every entry pinned: no room kept
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             acquire(stub, d[5])
@@ -382,15 +386,15 @@ def test_eviction_lru_unpinned_only_and_crashed_holder(ckpt, redis_srv, tmp_path
         assert (after.slots_used, after.blocks_used, after.evictions) == (4, before.blocks_used, 1)
         assert live() == {keys[0], keys[1], keys[3], keys[4]}
 
-        time.sleep(max(0.0, crashed3.lease_expires_unix_ms / 1000 - time.time()) + 0.1)
+        time.sleep(max(0.0, crashed1.lease_expires_unix_ms / 1000 - time.time()) + 0.1)
         held5 = acquire(stub, d[5])
         assert not held5.cached
-        assert live() == {keys[0], keys[1], keys[4], keys[5]}  # the crashed holder's entry went
+        assert live() == {keys[0], keys[3], keys[4], keys[5]}  # the crashed holder's entry went
         again0 = acquire(stub, d[0])
         assert again0.cached and handle_of(again0) == handle_of(pinned0)
-        for resp in (pinned0, held4, held1, held5, again0):
+        for resp in (pinned0, held3, held4, held5, again0):
             assert release(stub, resp)
-        assert not release(stub, crashed3)
+        assert not release(stub, crashed1)
         shm = small.shm_files()
         assert len(shm) == 1
     finally:

@@ -25,7 +25,7 @@ import scorer_service.batcher as batcher_module
 from bank_service.acquire import Acquirer
 from bank_service.jobs import SweepLimits, SweepRows
 from bank_service.metrics import BankMetrics
-from kev.bank.bank import Bank
+from kev.bank.bank import Bank, BankHandle
 from kev.bank.directory import Directory
 from kev.bank.doc_key import document_key, key_fingerprint
 from kev.bank.shared import SharedBank, attach
@@ -425,6 +425,52 @@ def test_an_idle_bank_answers_a_new_documents_rows_in_its_sweep(loaded, sweeping
     assert sweeping_bank.acq.acquire(other, 30, 10).probabilities is None
 
 
+def test_a_swept_caller_is_answered_before_its_entry_is_registered(loaded, sweeping_bank):
+    """The swept caller holds no pin and reads nothing from the bank: its answers do not wait for
+    the entry's Redis registration, which follows (unpinned: the next Acquire finds it)."""
+    b = sweeping_bank
+    entered, go = threading.Event(), threading.Event()
+    register = b.directory.register_many
+
+    def held_register(regs):
+        entered.set()
+        assert go.wait(10)
+        return register(regs)
+
+    b.directory.register_many = held_register
+    ids, rows, _ = sweep_rows(loaded, 7)
+    threads, results = in_threads(lambda: b.acq.acquire(ids, 30, 10, rows=rows), [()])
+    threads[0].join(5)
+    assert entered.is_set() and not threads[0].is_alive(), "the swept caller waited for the registration"
+    (got,) = results
+    assert got.probabilities == two_pass_probabilities(loaded, ids, rows) and got.lease is None
+    go.set()
+    key = document_key(b.acq.model_id, ids)
+    wait_until(lambda: [e for e in b.directory.entries() if e.doc_key == key], "the entry's registration")
+    (entry,) = [e for e in b.directory.entries() if e.doc_key == key]
+    assert entry.pins == 0 and BankHandle(entry.slot, entry.generation) == got.handle
+    again = b.acq.acquire(ids, 30, 10)
+    assert again.cached and again.handle == got.handle
+
+
+def test_an_acquire_with_rows_skips_the_directory_look_up_and_still_finds_a_live_entry(loaded, sweeping_bank):
+    """Rows come from a caller that missed the directory just now: the bank does not look again.
+    A document that is in the bank all the same (registered in between) is pinned by the worker,
+    with no pass: cached, a lease, no answers."""
+    b = sweeping_bank
+    looked = []
+    lookup = b.directory.lookup_and_pin
+    b.directory.lookup_and_pin = lambda *a, **kw: looked.append(a[0]) or lookup(*a, **kw)
+    ids, rows, _ = sweep_rows(loaded, 8)
+    first = b.acq.acquire(ids, 30, 10, rows=rows)
+    assert looked == [] and not first.cached and first.probabilities is not None
+    passes, sweeps = list(b.held.passes), b.acq.metrics.sweeps._value.get()
+    again = b.acq.acquire(ids, 30, 10, rows=rows)
+    assert looked == [] and again.cached and again.probabilities is None and again.handle == first.handle
+    assert again.lease is not None and b.held.passes == passes and b.acq.metrics.sweeps._value.get() == sweeps
+    b.acq.release(again.lease.lease_id)
+
+
 def test_rows_over_the_sweep_caps_or_on_a_bank_without_sweeps_are_ignored(loaded, sweeping_bank, bank):
     ids, rows, _ = sweep_rows(loaded, 2, questions=9)  # one more row than the caps' 8
     got = sweeping_bank.acq.acquire(ids, 30, 10, rows=rows)
@@ -606,9 +652,10 @@ def test_the_worker_survives_a_fault_around_a_pass(small_bank):
 
 
 def test_a_full_bank_evicts_for_the_next_pass_while_this_one_runs(loaded, redis_server):
-    """Three slots, all holding released entries: the document of the next pass, queued during
-    this one, gets its room (the least recently used entry) while this pass is on the device,
-    before this pass's registration, not between the passes."""
+    """Three slots holding released entries, one kept free (`_keep_room`): the document of the next
+    pass, queued during this one, gets its room (the least recently used entry) while this pass is
+    on the device, before this pass's registration, not between the passes; idle again, the bank
+    frees the room of one more."""
     with running_bank(loaded, redis_server, "ahead", 16384, slots=3) as bank:
         for i in (1, 2, 3):
             bank.acq.release(bank.acq.acquire(tokens(40 + i), 30, 10).lease.lease_id)
@@ -627,23 +674,52 @@ def test_a_full_bank_evicts_for_the_next_pass_while_this_one_runs(loaded, redis_
         for t in first[0] + more[0]:
             t.join(10)
         assert all(not isinstance(r, Exception) for r in first[1] + more[1])
-        assert events == [("evict", 1), ("pass", 1), ("evict", 1), ("register", 1), ("pass", 1), ("register", 1)]
-        assert bank.acq.evictions == 2 and bank.store.stats().slots_used == 3
+        wait_until(lambda: bank.acq.evictions == 3, "the room kept after the last pass")
+        assert events == [("pass", 1), ("evict", 1), ("register", 1), ("pass", 1), ("register", 1), ("evict", 1)]
+        assert bank.store.stats().slots_used == 2
+
+
+def test_an_idle_full_bank_keeps_room_for_the_next_document(loaded, redis_server):
+    """A full bank that goes idle evicts the least recently used unpinned entry (room for one of
+    the entries' mean size) after its pass, so the next new document finds room at once: no
+    eviction on its own path. Pinned entries are never taken for it."""
+    with running_bank(loaded, redis_server, "room", 16384, slots=3) as bank:
+        leases = []
+        for i in (1, 2, 3):
+            leases.append(bank.acq.acquire(tokens(60 + i), 30, 10).lease)
+        assert bank.store.stats().slots_used == 3 and bank.acq.evictions == 0  # every entry pinned
+        for lease in leases:
+            bank.acq.release(lease.lease_id)
+        bank.acq.release(bank.acq.acquire(tokens(64), 30, 10).lease.lease_id)  # evicts 61 on its path
+        wait_until(lambda: bank.acq.evictions == 2, "the room kept after the pass")
+        assert bank.store.stats().slots_used == 2
+        events = []
+        evict = bank.directory.evict_if_unpinned
+        bank.directory.evict_if_unpinned = lambda n, **kw: events.append(("evict", n)) or evict(n, **kw)
+        real = bank.held.real
+        bank.held.real = lambda docs, handles, starts=None: events.append(("pass", len(docs))) or real(docs, handles, starts)
+        assert not bank.acq.acquire(tokens(65), 30, 10).cached
+        wait_until(lambda: bank.acq.evictions == 3, "the room kept after the pass")
+        assert events == [("pass", 1), ("evict", 1)]  # nothing evicted before the pass
+        remaining = {e.doc_key for e in bank.directory.entries()}
+        assert remaining == {document_key(bank.acq.model_id, tokens(i)) for i in (64, 65)}
 
 
 def test_a_long_document_at_a_bank_of_short_entries_evicts_in_one_call(loaded, redis_server):
-    """Twelve slots and twelve pages, each held by a released one-page entry: a 300-token document
-    (five pages) gets its room in one eviction of five entries (`Bank.entries_to_free`: the pages
-    missing at the entries' mean size), not five calls of one."""
+    """Twelve slots and twelve pages, eleven held by released one-page entries (the room of one
+    kept, `_keep_room`): a 300-token document (five pages) gets its room in one eviction of four
+    entries (`Bank.entries_to_free`: the pages missing at the entries' mean size), not four calls
+    of one."""
     with running_bank(loaded, redis_server, "long-after-short", 16384, slots=12, blocks=12) as bank:
         for i in range(12):
             bank.acq.release(bank.acq.acquire(tokens(i, 40), 30, 10).lease.lease_id)
-        assert bank.store.shortfall([300]) == (1, 5) and bank.store.entries_to_free([300]) == 5
+        wait_until(lambda: bank.acq.evictions == 1, "the room kept after the last pass")
+        assert bank.store.shortfall([300]) == (0, 4) and bank.store.entries_to_free([300]) == 4
         events = []
         evict = bank.directory.evict_if_unpinned
         bank.directory.evict_if_unpinned = lambda n, **kw: events.append(n) or evict(n, **kw)
         got = bank.acq.acquire(tokens(99, 300), 30, 10)
-        assert not got.cached and events == [5] and bank.acq.evictions == 5
+        assert not got.cached and events[0] == 4 and bank.acq.evictions >= 5
 
 
 def test_an_acquire_during_a_passs_registration_joins_that_pass(loaded, redis_server):
@@ -682,8 +758,10 @@ def test_entries_to_free_counts_the_missing_pages_at_the_mean_entry(loaded):
     cfg = loaded.model.cfg
     store = Bank.allocate(cfg, num_slots=8, num_blocks=8, block_size=64, max_doc_tokens=512)
     assert store.entries_to_free([448]) == 0  # seven pages of eight free
+    assert store.mean_entry_tokens() == 64  # none held: one page
     for _ in range(2):
         store.alloc(128)  # two entries of two pages: six slots and four pages left
+    assert store.mean_entry_tokens() == 128
     assert store.shortfall([448]) == (0, 3) and store.entries_to_free([448]) == 2  # 3 pages at 2 an entry
     assert store.shortfall([64] * 7) == (1, 3) and store.entries_to_free([64] * 7) == 2
     assert store.entries_to_free([64] * 4) == 0
