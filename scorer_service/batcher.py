@@ -111,7 +111,7 @@ class _Waiting:
 
 class RowBatcher:
     def __init__(self, link: BankLink, head: DecisionHead, metrics: ScorerMetrics, *, max_rows_per_pass: int,
-                 max_tokens_per_pass: int, max_wait_ms: float, max_queue: int, cut_back: bool = False):
+                 max_tokens_per_pass: int, max_wait_ms: float, max_queue: int, cut_back: bool = True):
         self.link, self.head, self.metrics = link, head, metrics
         self.cut_back = cut_back  # KEV_ROW_CUT_BACK (`_cut_back`)
         self.max_rows, self.max_tokens = max_rows_per_pass, max_tokens_per_pass

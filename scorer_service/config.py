@@ -57,9 +57,9 @@ class ScorerConfig:
     # over the weights instead of two passes; docs/decisions.md, "Batch windows")
     idle_sweeps: bool = _env("KEV_IDLE_SWEEPS", True)
     # While a row pass is on the device, the next one is cut back to the graph key below when that
-    # pads less (as a loaded bank's are), its trailing rows passed over once at most; off until the
-    # GPU says what it costs the p99 (docs/decisions.md, "A full pass fits its key")
-    row_cut_back: bool = _env("KEV_ROW_CUT_BACK", False)
+    # pads less (as a loaded bank's are), its trailing rows passed over once at most
+    # (docs/decisions.md, "A full pass fits its key": measured on the GPU at bf14043)
+    row_cut_back: bool = _env("KEV_ROW_CUT_BACK", True)
     # Token ids of the documents seen lately, by their text (kev/request/doc_cache.py): a repeated
     # document is not tokenized again. Up to this many tokens, 4 bytes each; 0: no cache
     document_cache_tokens: int = _env("KEV_DOCUMENT_CACHE_TOKENS", 1 << 20)
