@@ -128,9 +128,9 @@ class BankConfig:
 
     @property
     def graph_plan(self) -> GraphPlan:
-        """What the passes capture on CUDA (ignored on CPU): every state pass key at start-up; with
-        sweeps, the row keys up to the sweep caps at their first use (only an idle bank sweeps)."""
-        rows = dict(row_tokens=self.sweep_row_tokens, row_seqs=self.sweep_rows, rows_at_first_use=True) \
+        """What the passes capture on CUDA (ignored on CPU), all at start-up: every state pass key,
+        and with sweeps every row key up to the sweep caps."""
+        rows = dict(row_tokens=self.sweep_row_tokens, row_seqs=self.sweep_rows, sweep_one_document=True) \
             if self.sweeps else {}
         return settings.graph_plan(cuda_graphs=self.cuda_graphs, warm_classes=self.warm_classes,
                                    state_tokens=self.max_pass_tokens, state_seqs=self.max_pass_documents, **rows)

@@ -35,7 +35,7 @@ HEADROOM_BYTES = 2 * GB  # left free on the device beyond the plan (the plan its
 # The bank's default plan (bank_service/config.py): its state-pass caps and its idle sweeps' row caps
 # (tests/exec/test_memory_plan.py checks they are the service's defaults).
 BANK_ROLE = PassRole.BOTH
-BANK_GRAPHS = GraphPlan(row_tokens=2048, row_seqs=32, rows_at_first_use=True)
+BANK_GRAPHS = GraphPlan(row_tokens=2048, row_seqs=32, sweep_one_document=True)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,6 @@ class GraphCache:
         self._entries: OrderedDict[AnyKey, _Entry] = OrderedDict()
         self._uses: Counter[AnyKey] = Counter()
         self._pending: list[AnyKey] = []  # captured when idle (`capture_pending`) or at first use
-        self._first_use: set[GraphKey] = set()  # captured at their first use only (`queue(..., idle=False)`)
         self.failed: set[AnyKey] = set()
         self._pool = None
         self._out: torch.Tensor | None = None  # every row graph's picks land here
@@ -222,7 +221,7 @@ class GraphCache:
         key = SweepKey(state, rows)
         if self.policy is CapturePolicy.ON_FIRST_USE or self._has_graph(key):
             return key
-        if any(k in self._pending or k in self._first_use for k in (state, rows)):
+        if any(k in self._pending for k in (state, rows)):
             return None  # the two passes capture their queued keys at first use (`_prepare`)
         if self._has_graph(state) and self._has_graph(rows):
             self._count_use(key)
@@ -293,15 +292,12 @@ class GraphCache:
             self._fill_synthetic(passes, entry)
             self._capture(passes, key, entry)
 
-    def queue(self, keys: Iterable[AnyKey], idle: bool = True) -> None:
+    def queue(self, keys: Iterable[AnyKey]) -> None:
         """Queue `keys` for `capture_pending` (a list the calling thread must not capture itself),
-        each captured by then or at its first use; `idle=False`: at its first use only (the bank's
-        sweep rows: an idle capture could run beside a scorer's start-up autotune on the same GPU
-        and skew its timings). No GPU work here: the buffers are made by the capturing thread."""
+        each captured by then or at its first use. No GPU work here: the buffers are made by the
+        capturing thread."""
         for key in keys:
-            if not idle:
-                self._first_use.add(key)
-            elif key not in self._pending:
+            if key not in self._pending:
                 self._pending.append(key)
 
     def capture_pending(self, passes: Passes, limit: int = 1) -> int:
@@ -318,11 +314,6 @@ class GraphCache:
     @property
     def pending(self) -> list[AnyKey]:
         return list(self._pending)
-
-    @property
-    def first_use(self) -> set[GraphKey]:
-        """Keys queued to be captured at their first use only."""
-        return set(self._first_use)
 
     def graphs(self) -> list[AnyKey]:
         return [k for k, e in self._entries.items() if e.graph is not None]
@@ -377,11 +368,10 @@ class GraphCache:
         two passes, once: a loaded server is never idle, and it would run eagerly for good)."""
         entry = self._entry(passes, key)
         if entry.graph is None and key not in self.failed:
-            queued = isinstance(key, GraphKey) and (key in self._pending or key in self._first_use)
+            queued = isinstance(key, GraphKey) and key in self._pending
             if self.policy is CapturePolicy.ON_FIRST_USE or queued:
                 if key in self._pending:
                     self._pending.remove(key)
-                self._first_use.discard(key)
                 self._try_capture(passes, key, entry)
             elif isinstance(key, SweepKey):
                 self._count_use(key)

@@ -172,7 +172,7 @@ def memory_plan(cfg: ModelConfig, role: PassRole, graphs: GraphPlan | None = Non
     if role.rows:
         ladders.append(KeyLadder(PassKind.ROWS, graphs.row_tokens, graphs.row_seqs))
         eager.append((graphs.row_tokens, graphs.row_seqs))
-    if role.states and role.rows and graphs.rows_at_first_use:  # the bank's idle sweeps: one document, its rows
+    if role.states and role.rows and graphs.sweep_one_document:  # the bank's idle sweeps: one document, its rows
         eager.append((state_chunk_tokens + graphs.row_tokens, 1 + graphs.row_seqs))
     elif role.states and role.rows:  # the engine's sweeps: a state key and a row key in one pass
         eager.append((max(graphs.state_tokens, state_chunk_tokens) + graphs.row_tokens,

@@ -324,10 +324,6 @@ class PassBuilder:
             graphs = GraphCache(*self.ladders(), stats=self.graph_stats, head=self.head, head_width=self.head_width)
             passes = passes.with_graphs(graphs)
             keys = graphs.all_keys()
-            if capture and self.plan.rows_at_first_use:  # the bank's sweep rows (GraphPlan)
-                graphs.queue([k for k in keys if k.kind is PassKind.ROWS], idle=False)
-                keys = [k for k in keys if k.kind is not PassKind.ROWS]
-                log.info("queued %d row keys: each is captured at its first use", len(graphs.first_use))
             if capture:
                 start = time.perf_counter()
                 log.info("start-up: graphs captured 0/%d", len(keys))

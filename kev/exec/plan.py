@@ -53,9 +53,9 @@ class GraphPlan:
     row_seqs: int = 96  # rows of a row pass at most (KEV_MAX_ROWS_PER_PASS)
     state_tokens: int = 16384  # tokens of a state pass at most (the bank's max_pass_tokens)
     state_seqs: int = 64  # documents of a state pass at most (max_pass_documents)
-    # row keys queued at start-up, each captured at its first use (the bank's idle sweeps: rows run
-    # there only while it is idle, so a capture delays nobody else); state keys are always captured
-    rows_at_first_use: bool = False
+    # the bank's idle sweeps: one document, read whole in one chunk, and its rows (the memory plan's
+    # largest eager sweep); the in-process engine's sweeps take any state pass and any row pass
+    sweep_one_document: bool = False
     # autotune classes warmed at start-up; None: the classes of the role's keys; a class not
     # warmed autotunes at its first pass, on that pass's shape alone
     warm: tuple[ShapeClass, ...] | None = None

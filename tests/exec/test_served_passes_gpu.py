@@ -231,20 +231,21 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
 
 
 def test_the_banks_idle_sweep_runs_on_graphs_only(served):
-    """The bank with idle sweeps (`GraphPlan.rows_at_first_use`, bank_service): start-up captures its
-    state keys and queues its row keys for their first use; a new document's sweep with its rows
-    then runs as the two graphed passes (the row key captured then), and, once the sweep was used
-    twice and captured while idle, as its own graph: never eagerly, and close to the two eager passes."""
+    """The bank with idle sweeps (`GraphPlan.sweep_one_document`, bank_service): start-up captures its
+    state keys and its sweep rows' keys; a new document's sweep with its rows then runs as the two
+    graphed passes, and, once the sweep was used twice and captured while idle, as its own graph:
+    never eagerly, never a capture on a request's path, and close to the two eager passes."""
     from kev.exec.static_pass import SweepKey
 
     cfg, model = served["cfg"], served["model"]
     bank = Bank.allocate(cfg, num_slots=8, num_blocks=64, block_size=64, dtype=torch.bfloat16, device="cuda",
                          max_doc_tokens=512)
-    plan = GraphPlan(state_tokens=1024, state_seqs=4, row_tokens=256, row_seqs=8, rows_at_first_use=True)
+    plan = GraphPlan(state_tokens=1024, state_seqs=4, row_tokens=256, row_seqs=8, sweep_one_document=True)
     passes = PassBuilder(model, TritonOps(), PassRole.BOTH, plan).build(bank)
     graphs = passes.graphs
-    assert set(graphs.graphs()) == set(KeyLadder(PassKind.STATE, 1024, 4).keys())
-    assert graphs.first_use == set(KeyLadder(PassKind.ROWS, 256, 8).keys()) and not passes.idle_work
+    assert set(graphs.graphs()) == set(KeyLadder(PassKind.STATE, 1024, 4).keys() + KeyLadder(PassKind.ROWS, 256, 8).keys())
+    assert not passes.idle_work
+    captures = graphs.stats.captures
     g = torch.Generator().manual_seed(5)
     doc = torch.randint(0, cfg.vocab_size, (100,), generator=g).tolist()
     lens = (20, 33, 9)
@@ -262,9 +263,10 @@ def test_the_banks_idle_sweep_runs_on_graphs_only(served):
         if passes.idle_work:  # the sweep, queued after `min_uses` runs as two replays: an idle bank captures it
             assert passes.capture_when_idle() == 1
             captured.append(use)
-    # use 0 captured the row key; uses 1 and 2 ran as two replays and queued the sweep; use 3 replayed it
-    assert captured == [2] and any(isinstance(k, SweepKey) for k in graphs.graphs())
+    # uses 0 and 1 ran as two replays and queued the sweep, captured while idle; uses 2 and 3 replayed it
+    assert captured == [1] and any(isinstance(k, SweepKey) for k in graphs.graphs())
     assert graphs.stats.eager == eager and not graphs.stats.capture_errors
+    assert graphs.stats.captures == captures + 1  # the sweep's, while idle: none on a pass's path
     h = bank.alloc(len(doc))
     reference = passes.with_graphs(None)
     reference.state_pass([doc], [h])
