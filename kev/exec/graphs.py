@@ -14,9 +14,12 @@ entries (`CHUNK_STEPS`), which the per-chunk kernels' grids need static.
 
 Capture: services capture every key of their ladders at start-up (`capture`, after
 `kev.exec.warm_up.warm_up`), so after warm-up no pass within the caps runs eagerly whatever the
-traffic. A sweep (the in-process engine's new document and its rows) has ladder x ladder keys: it
-is captured when idle after `min_uses` uses (`capture_pending`) and until then runs as the
-state graph's replay and the row graph's. At most `max_sweeps` sweep graphs are kept.
+traffic. A sweep (a new document and its rows in one pass: the in-process engine's, the bank's
+idle sweeps) has ladder x ladder keys: it runs as the state graph's replay and the row graph's
+until it is captured when idle (`capture_pending`), once its uses would have saved what its capture
+costs (`uses_to_capture`: each use saves about one pass's fixed cost, measured at start-up by
+`calibrate`; the capture holds the thread about as long as its two keys' captures did). At most
+`max_sweeps` sweep graphs are kept.
 Capture runs the pass once eagerly on a side stream (compiles; autotunes only if the class was
 never warmed), then captures it; nothing inside the capture syncs with the host or autotunes.
 All graphs share one memory pool (replays never overlap) and one output buffer (each row pass's
@@ -26,6 +29,8 @@ picks are copied out right after its replay, in stream order).
 from __future__ import annotations
 
 import enum
+import math
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -192,6 +197,8 @@ class GraphCache:
         self._entries: OrderedDict[AnyKey, _Entry] = OrderedDict()
         self._uses: Counter[AnyKey] = Counter()
         self._pending: list[AnyKey] = []  # captured when idle (`capture_pending`) or at first use
+        self._capture_s: dict[AnyKey, float] = {}  # host seconds each capture held its thread
+        self.fixed_s: float | None = None  # one pass's fixed cost on this device (`calibrate`)
         self.failed: set[AnyKey] = set()
         self._pool = None
         self._out: torch.Tensor | None = None  # every row graph's picks land here
@@ -292,6 +299,36 @@ class GraphCache:
             self._fill_synthetic(passes, entry)
             self._capture(passes, key, entry)
 
+    def calibrate(self) -> float | None:
+        """One pass's fixed cost on this device (the weights read, ~700 kernels): the replay time of
+        the smallest key captured (a synthetic fill, which writes nowhere, is what its buffers hold
+        after a capture: call right after `capture`). What running a sweep as one graph instead of
+        two replays saves a use (`uses_to_capture`). None when nothing is captured."""
+        keys = [k for k in self.graphs() if isinstance(k, GraphKey)]
+        if not keys:
+            return None
+        graph = self._entries[min(keys, key=lambda k: (k.tokens, k.chunks))].graph
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        self.fixed_s = start.elapsed_time(end) / 3 / 1e3
+        return self.fixed_s
+
+    def uses_to_capture(self, key: SweepKey) -> int:
+        """After how many uses an idle capture of sweep `key` pays for itself: each use as one graph
+        instead of two replays saves about one pass's fixed cost (`fixed_s`), and the capture holds
+        the thread (a request that comes meanwhile waits) about as long as its two keys' captures
+        took. A key used rarely is never captured, so varied traffic does not stall on captures nor
+        churn the `max_sweeps` kept. Without those timings (not calibrated): `min_uses`."""
+        costs = [self._capture_s.get(k) for k in (key.state, key.rows)]
+        if not self.fixed_s or any(c is None for c in costs):
+            return self.min_uses
+        return max(self.min_uses, math.ceil(sum(costs) / self.fixed_s))
+
     def queue(self, keys: Iterable[AnyKey]) -> None:
         """Queue `keys` for `capture_pending` (a list the calling thread must not capture itself),
         each captured by then or at its first use. No GPU work here: the buffers are made by the
@@ -356,10 +393,10 @@ class GraphCache:
         return r.model(torch.cat([s.tokens, rows.tokens]), meta, r.bank.pools, r.ops, picks=rows.picks + Td,
                        mixer_scope=r.phase_scope), None
 
-    def _count_use(self, key: AnyKey) -> None:
-        """A sweep run as two replays: queued for capture when idle at `min_uses`."""
+    def _count_use(self, key: SweepKey) -> None:
+        """A sweep run as two replays: queued for capture when idle at `uses_to_capture`."""
         self._uses[key] += 1
-        if self._uses[key] >= self.min_uses and key not in self._pending and key not in self.failed:
+        if self._uses[key] >= self.uses_to_capture(key) and key not in self._pending and key not in self.failed:
             self._pending.append(key)
 
     def _prepare(self, passes: Passes, key: AnyKey) -> _Entry:
@@ -398,8 +435,10 @@ class GraphCache:
             self.stats.capture_errors.append(f"{key}: {e!r}")
 
     def _capture(self, passes: Passes, key: AnyKey, entry: _Entry) -> None:
+        start = time.perf_counter()
         with passes.tuned(key.shape_class):
             entry.graph, entry.out, entry.probs = self._record(passes, entry)
+        self._capture_s[key] = time.perf_counter() - start
         self.stats.captures += 1
         self._uses.pop(key, None)
 

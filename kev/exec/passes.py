@@ -333,6 +333,10 @@ class PassBuilder:
                         log.info("start-up: graphs captured %d/%d (%.1f s)", k, len(keys), time.perf_counter() - start)
                 log.info("captured %d CUDA graphs in %.1f s (largest %s)", len(keys), time.perf_counter() - start,
                          keys[0] if keys else None)
+                if graphs.rows is not None and graphs.states is not None and graphs.calibrate() is not None:
+                    log.info("a pass's fixed cost here: %.2f ms (the smallest key's replay); a sweep is "
+                             "captured when idle once its uses would have saved what its capture costs",
+                             graphs.fixed_s * 1e3)
             else:
                 graphs.queue(keys)
                 log.info("queued %d CUDA graphs: each is captured at its first use or when idle", len(keys))

@@ -454,6 +454,35 @@ def test_sweep_without_its_graph_replays_the_two_graphs(model, fake_capture):
     assert SweepKey(state, rows) in passes.graphs.graphs()
 
 
+def test_a_sweep_is_captured_once_its_uses_would_have_paid_for_the_capture(model, fake_capture):
+    """Calibrated (a pass's fixed cost measured, each key's capture timed), a sweep key is queued
+    for an idle capture only once its uses, each saving one pass's fixed cost, add up to what its two
+    keys' captures took: here (30 + 20 ms) / 10 ms = 5 uses; a rarer key stays two replays. Not
+    calibrated: `min_uses`."""
+    bank = Bank.allocate(model.cfg, num_slots=6, num_blocks=128, block_size=16)
+    runner = Passes(model, bank, CpuTritonOps())
+    passes = runner.with_graphs(GraphCache(**SMALL, min_uses=2))
+    graphs = passes.graphs
+    state, rows = GraphKey(PassKind.STATE, 64, 3), GraphKey(PassKind.ROWS, 48, 4)
+    graphs.capture(passes, [state, rows])
+    sweep = SweepKey(state, rows)
+    assert graphs.uses_to_capture(sweep) == 2  # not calibrated
+    graphs.fixed_s = 0.010
+    graphs._capture_s.update({state: 0.030, rows: 0.020})  # as timed at start-up (here: set, not timed)
+    assert graphs.uses_to_capture(sweep) == 5
+    for use in range(1, 6):
+        docs, handles, batch = new_documents_and_rows(bank, 60 + use)
+        replays = graphs.stats.replays
+        passes.sweep(docs, handles, batch)
+        assert graphs.stats.replays - replays == 2 and graphs.stats.eager == 0  # the two graphs
+        for h in handles:
+            bank.free(h)
+        assert graphs.pending == ([sweep] if use == 5 else []), use
+    assert passes.capture_when_idle() == 1 and sweep in graphs.graphs()
+    graphs.fixed_s = 1.0  # a fixed cost above the captures' time: min_uses still holds
+    assert graphs.uses_to_capture(sweep) == 2
+
+
 def test_gathered_plan_follows_a_bucket_between_replays():
     """GatheredOps on a CUDA-graph key: the gather plan is re-derived from the key's index
     buffers at every call (a plan kept from the capture's synthetic fill read slot 0 and one page

@@ -232,9 +232,10 @@ def test_answers_read_after_the_next_pass_was_launched(served, no_autotune):
 
 def test_the_banks_idle_sweep_runs_on_graphs_only(served):
     """The bank with idle sweeps (`GraphPlan.sweep_one_document`, bank_service): start-up captures its
-    state keys and its sweep rows' keys; a new document's sweep with its rows then runs as the two
-    graphed passes, and, once the sweep was used twice and captured while idle, as its own graph:
-    never eagerly, never a capture on a request's path, and close to the two eager passes."""
+    state keys and its sweep rows' keys, and measures a pass's fixed cost; a new document's sweep with
+    its rows then runs as the two graphed passes, and, once its uses would have paid for its capture
+    (`GraphCache.uses_to_capture`) and it was captured while idle, as its own graph: never eagerly,
+    never a capture on a request's path, and close to the two eager passes."""
     from kev.exec.static_pass import SweepKey
 
     cfg, model = served["cfg"], served["model"]
@@ -245,6 +246,7 @@ def test_the_banks_idle_sweep_runs_on_graphs_only(served):
     graphs = passes.graphs
     assert set(graphs.graphs()) == set(KeyLadder(PassKind.STATE, 1024, 4).keys() + KeyLadder(PassKind.ROWS, 256, 8).keys())
     assert not passes.idle_work
+    assert 0 < graphs.fixed_s < 0.1  # one small pass's replay, in seconds
     captures = graphs.stats.captures
     g = torch.Generator().manual_seed(5)
     doc = torch.randint(0, cfg.vocab_size, (100,), generator=g).tolist()
@@ -255,16 +257,21 @@ def test_the_banks_idle_sweep_runs_on_graphs_only(served):
     def batch(h):
         return RowBatch.build(rows, [h] * len(rows), [len(doc)] * len(rows), picks, device="cuda")
 
+    h = bank.alloc(len(doc))
+    key = SweepKey(graphs.state_key([len(doc)]), graphs.row_key(batch(h)))
+    bank.free(h)
+    need = graphs.uses_to_capture(key)  # the two keys' capture times over the fixed cost
+    assert need >= graphs.min_uses
     eager, outs, captured = graphs.stats.eager, [], []
-    for use in range(4):
+    for use in range(need + 2):
         h = bank.alloc(len(doc))
         outs.append(passes.sweep([doc], [h], batch(h)).clone())
         bank.free(h)
-        if passes.idle_work:  # the sweep, queued after `min_uses` runs as two replays: an idle bank captures it
+        if passes.idle_work:  # the sweep, queued once it would have paid: an idle bank captures it
             assert passes.capture_when_idle() == 1
             captured.append(use)
-    # uses 0 and 1 ran as two replays and queued the sweep, captured while idle; uses 2 and 3 replayed it
-    assert captured == [1] and any(isinstance(k, SweepKey) for k in graphs.graphs())
+    # the first `need` uses ran as two replays and queued the sweep, captured while idle; then replays
+    assert captured == [need - 1] and key in graphs.graphs()
     assert graphs.stats.eager == eager and not graphs.stats.capture_errors
     assert graphs.stats.captures == captures + 1  # the sweep's, while idle: none on a pass's path
     h = bank.alloc(len(doc))
