@@ -378,11 +378,12 @@ class Acquirer:
 
     def _evict_ahead(self, doc_lens: list[int]) -> None:
         """Evicts least-recently-used unpinned entries until documents of `doc_lens` tokens fit,
-        while the GPU runs a pass (for the documents queued for the next): a full bank (any
-        long-running one) would otherwise ask Redis between its passes, the GPU idle meanwhile.
-        Only for documents already waiting: evicting for ones that may come (an idle reserve) would
-        cost entries a repeat could still hit. Best effort: a Redis fault, or nothing evictable,
-        leaves it to `_alloc`."""
+        off the path of the documents that need the room: while the GPU runs a pass, for those
+        queued for the next (a full bank, any long-running one, would otherwise ask Redis between
+        its passes, the GPU idle meanwhile); after a pass that left the bank idle, for one more of
+        the entries' mean size (`_keep_room`, the only room kept for documents not yet come: each
+        entry evicted for them is one a repeat could have hit). Best effort: a Redis fault, or
+        nothing evictable, leaves it to `_alloc`."""
         for _ in range(4):  # the entries evicted may hold fewer pages than their mean
             count = self.bank.entries_to_free(doc_lens)
             if not count:
