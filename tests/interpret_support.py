@@ -15,9 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan", "kev.ops.attention.paged_prefix",
+MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan", "kev.ops.delta_rule.scan_output",
+           "kev.ops.attention.paged_prefix",
            "kev.ops.fused", "kev.ops.triton_ops", "kev.ops.gathered_ops")
 NAMES = dict(conv="kev.ops.conv.indexed_conv", scan="kev.ops.delta_rule.indexed_scan",
+             scan_output="kev.ops.delta_rule.scan_output",
              attn="kev.ops.attention.paged_prefix", norms="kev.ops.fused.norms",
              activations="kev.ops.fused.activations", triton_ops="kev.ops.triton_ops",
              gathered_ops="kev.ops.gathered_ops")

@@ -31,6 +31,7 @@ from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
 from kev.ops.fused import activations, norms
 from kev.ops.meta import PassMeta
+from kev.ops.shapes import ShapeClass
 
 assert CONV_CHUNK == CHUNK, "conv and scan share one chunk_indices"
 
@@ -67,7 +68,11 @@ class TritonOps:
     sigmoid_mul = staticmethod(activations.sigmoid_mul)
     delta_gates = staticmethod(activations.delta_gates)
 
-    def __init__(self) -> None:
+    def __init__(self, output_in_scan: frozenset[ShapeClass] = frozenset()) -> None:
+        # The shape classes whose delta rule forms its output inside the state pass's kernel
+        # (kev.ops.delta_rule.scan_output) instead of storing every chunk's start state for fla's
+        # chunk_fwd_o: none until bench/delta_rule_ab.py has measured which classes it speeds up.
+        self.output_in_scan = frozenset(output_in_scan)
         self._indices: weakref.WeakKeyDictionary[PassMeta, PassIndices] = weakref.WeakKeyDictionary()
 
     def prepare(self, meta: PassMeta) -> PassIndices:
@@ -95,7 +100,12 @@ class TritonOps:
         return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, chunk_indices=idx.chunks,
-                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases)
+                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases,
+                                              output_in_scan=self.scan_forms_output(meta, q.shape[0]))
+
+    def scan_forms_output(self, meta: PassMeta, num_tokens: int) -> bool:
+        """Whether this pass's delta rule forms its output in the scan's kernel (by its shape class)."""
+        return bool(self.output_in_scan) and meta.pass_class(num_tokens) in self.output_in_scan
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))

@@ -23,6 +23,7 @@ import torch
 
 from kernel_support import make_pools, packed, rel_err, row_pass, state_pass
 from kev.ops.gathered_ops import GatheredOps
+from kev.ops.shapes import ShapeClass
 from kev.ops.torch_ops import TorchOps
 from kev.ops.triton_ops import TritonOps
 from random_models import random_model, tiny_config
@@ -68,11 +69,13 @@ def make_rows(n_rows, seed):
     return rows, read
 
 
+@pytest.mark.parametrize("output_in_scan", [False, True], ids=["split", "output_in_scan"])
 @pytest.mark.parametrize("n_rows", [1, 3, 8, 17, 96], ids=lambda n: f"rows={n}")
-def test_indexed_equals_gathered_bitwise(setup, n_rows):
+def test_indexed_equals_gathered_bitwise(setup, n_rows, output_in_scan):
     model, pools, table, doc_lens = setup["model"], setup["banks"]["triton"], setup["table"], setup["doc_lens"]
     before = [t.clone() for t in pools.tensors()]
-    indexed, gathered = TritonOps(), GatheredOps()
+    classes = frozenset(ShapeClass) if output_in_scan else frozenset()
+    indexed, gathered = TritonOps(output_in_scan=classes), GatheredOps(output_in_scan=classes)
     for seed in (n_rows, 1000 + n_rows):  # changed indices, same shapes
         rows, read = make_rows(n_rows, seed)
         a = row_pass(model, indexed, pools, table, rows, read, doc_lens)
@@ -141,7 +144,7 @@ def kernel_inputs(seed=0, n=17, ratio=2):
 def test_every_autotune_config_bit_identical(ratio):
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan
+    from kev.ops.delta_rule import indexed_scan, scan_output
 
     x = kernel_inputs(ratio=ratio)
     H, HV, K, V = x["H"], x["HV"], x["K"], x["V"]
@@ -157,13 +160,14 @@ def test_every_autotune_config_bit_identical(ratio):
         qk = indexed_scan.l2norm_heads(x["qkv"][:, :2 * hk].unflatten(1, (2 * H, K)), blocks=2, config=cfg)
         return (indexed_scan.l2norm_heads(x["qkv"][:, :hk].unflatten(1, (H, K)), config=cfg), *qk)
 
-    def scan(cfg):
+    def scan(cfg, output_in_scan=False):
         pool = x["state_pool"].clone()
         qkv = x["qkv"]
         o = indexed_scan.indexed_chunk_gated_delta_rule(
             q=qkv[:, :hk].unflatten(1, (H, K)), k=qkv[:, hk:2 * hk].unflatten(1, (H, K)),
             v=qkv[:, 2 * hk:].unflatten(1, (HV, V)), g=x["g"], beta=x["beta"], cu_seqlens=x["cu"],
-            state_pool=pool, read_slots=x["read"], write_slots=x["write"], scan_config=cfg)
+            state_pool=pool, read_slots=x["read"], write_slots=x["write"], scan_config=cfg,
+            output_in_scan=output_in_scan)
         return o, pool
 
     def attn(cfg, split=False):
@@ -175,7 +179,9 @@ def test_every_autotune_config_bit_identical(ratio):
         return o, kp, vp
 
     for name, fn, configs in (("conv", conv, indexed_conv.CONV_CONFIGS), ("l2norm", l2, indexed_scan.L2NORM_CONFIGS),
-                              ("scan", scan, indexed_scan.SCAN_CONFIGS), ("attention", attn,
+                              ("scan", scan, indexed_scan.SCAN_CONFIGS),
+                              ("scan with output", functools.partial(scan, output_in_scan=True),
+                               scan_output.SCAN_OUTPUT_CONFIGS), ("attention", attn,
                                                                           paged_prefix.ATTN_CONFIGS),
                               ("split attention", functools.partial(attn, split=True), paged_prefix.ATTN_CONFIGS)):
         first = fn(configs[0])
@@ -210,12 +216,14 @@ def test_kernels_match_references(ratio):
     qkv = y
     q, k, v = (qkv[:, :hk].unflatten(1, (H, K)), qkv[:, hk:2 * hk].unflatten(1, (H, K)),
                qkv[:, 2 * hk:].unflatten(1, (HV, V)))
-    spool, ref_spool = x["state_pool"].clone(), x["state_pool"].clone()
-    o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=x["g"], beta=x["beta"], cu_seqlens=cu, state_pool=spool,
-                                       read_slots=read, write_slots=write)
+    ref_spool = x["state_pool"].clone()
     o_ref = TorchOps().gated_delta_rule(q, k, v, x["g"], x["beta"], meta, ref_spool)
-    print("delta rule rel err:", rel_err(o_ref, o), rel_err(ref_spool, spool))
-    assert rel_err(o_ref, o) <= 2e-2 and rel_err(ref_spool, spool) <= 2e-2
+    for output_in_scan in (False, True):  # chunk_fwd_o after the scan, or the output in the scan's kernel
+        spool = x["state_pool"].clone()
+        o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=x["g"], beta=x["beta"], cu_seqlens=cu, state_pool=spool,
+                                           read_slots=read, write_slots=write, output_in_scan=output_in_scan)
+        print(f"delta rule (output_in_scan={output_in_scan}) rel err:", rel_err(o_ref, o), rel_err(ref_spool, spool))
+        assert rel_err(o_ref, o) <= 2e-2 and rel_err(ref_spool, spool) <= 2e-2
 
     wmeta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=x["attn_write"], prefix_lens=x["prefix"],
                      block_table=x["table"])

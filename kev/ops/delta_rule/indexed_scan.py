@@ -34,6 +34,7 @@ from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
+from kev.ops.delta_rule.scan_output import indexed_scan_output
 from kev.ops.utils import preserve_written_slots, shape_class
 
 # (first sequence, end sequence) -> (pool, read slots [n1 - n0]) the sequences' state passes start from
@@ -292,6 +293,7 @@ def indexed_chunk_gated_delta_rule(
     scan_config: triton.Config | None = None,
     phases: Sequence[int] = (),
     start_states: StartStates | None = None,
+    output_in_scan: bool = False,
 ) -> torch.Tensor:
     """Varlen chunked gated delta rule whose sequences start from (and end in) bank slots by index.
 
@@ -314,6 +316,9 @@ def indexed_chunk_gated_delta_rule(
     start_states:  (n0, n1) -> (pool, read slots) that sequences [n0, n1) start from, called right
                    before their state pass (the gathered variant copies the states there); default
                    state_pool and read_slots[n0:n1]
+    output_in_scan: form the output in the state pass's kernel (`scan_output`) instead of storing
+                   every chunk's start state for fla's `chunk_fwd_o` (`scan_config` then names one
+                   of `SCAN_OUTPUT_CONFIGS`)
     Returns o: [T, HV, V] in v's dtype.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
@@ -350,6 +355,17 @@ def indexed_chunk_gated_delta_rule(
     if sum(counts) != N or min(counts) < 0:
         raise ValueError(f"phases {counts} must be sequence counts summing to N={N}")
     V = v.shape[2]
+    out_pool = state_pool if out_pool is None else out_pool
+    if output_in_scan:
+        o = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
+        n0 = 0
+        for n in counts:
+            n1 = n0 + n
+            pool, read = start_states(n0, n1) if start_states is not None else (state_pool, read_slots[n0:n1])
+            indexed_scan_output(q, k, w[0], u[0], g_cum[0], cu_seqlens[n0:n1 + 1], pool, read, write_slots[n0:n1],
+                                scale, out_pool=out_pool, o=o, config=scan_config)
+            n0 = n1
+        return o
     h = k.new_empty(chunk_indices.shape[0], HV, K, V)
     v_new = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
     n0 = 0
@@ -357,7 +373,7 @@ def indexed_chunk_gated_delta_rule(
         n1 = n0 + n
         pool, read = start_states(n0, n1) if start_states is not None else (state_pool, read_slots[n0:n1])
         indexed_scan(k, w[0], u[0], g_cum[0], cu_seqlens[n0:n1 + 1], chunk_offsets[n0:n1 + 1], h.shape[0], pool,
-                     read, write_slots[n0:n1], out_pool=state_pool if out_pool is None else out_pool,
+                     read, write_slots[n0:n1], out_pool=out_pool,
                      config=scan_config, h=h, v_new=v_new)
         n0 = n1
     o = chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cum, scale=scale,
