@@ -11,7 +11,7 @@ is a documented limit in characters beside the one in tokens: a document whose t
 more than 16 characters (long runs of one character) is refused though it might fit in tokens.
 
 Memory budget. Parsing and tokenising hold a multiple of the request's bytes for a moment
-(message, strings, the tokenizer's encodings with offsets and token strings, the id lists):
+(message, strings, the tokenizer's encodings with their token strings, the id lists):
 `TOKENIZE_BYTES_PER_BYTE` per request byte is the estimate (a rough figure from the encodings'
 per-token fields, not yet measured per tokenizer). `TokenizeGate` admits requests to that work while their estimates fit in
 KEV_TOKENIZE_MEMORY_BYTES (512 MiB) and at most `workers` at once; the others wait (until their

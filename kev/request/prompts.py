@@ -290,12 +290,14 @@ class PromptBuilder:
 
     def encode_text(self, texts: Sequence[str], fields: Sequence[str]) -> list[list[int]]:
         """Ids of user texts (never a delimiter); `fields[i]` names texts[i] in errors."""
-        encodings = self._plain.encode_batch(list(texts), add_special_tokens=False)
+        # _fast: no character offsets (nothing here reads them), ~0.6x the time on a long document
+        encodings = self._plain.encode_batch_fast(list(texts), add_special_tokens=False)
         out = []
         for enc, field in zip(encodings, fields, strict=True):
-            if not self._reserved.isdisjoint(enc.ids):
+            ids = enc.ids  # a new list at every access
+            if not self._reserved.isdisjoint(ids):
                 raise InvalidRequest(field, "text encodes to a reserved prompt delimiter token")
-            out.append(enc.ids)
+            out.append(ids)
         return out
 
     def document_tokens(self, doc: JsonDocument, truncate: bool = False) -> tuple[list[int], bool]:

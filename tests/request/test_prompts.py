@@ -271,8 +271,8 @@ def test_a_request_is_encoded_in_one_tokenizer_call_as_its_parts_are_one_by_one(
     calls = []
     counted = PromptBuilder(tok)
     plain = counted._plain
-    counted._plain = type("Counting", (), {"encode_batch": lambda self, texts, **kw: calls.append(len(texts))
-                                           or plain.encode_batch(texts, **kw)})()
+    counted._plain = type("Counting", (), {"encode_batch_fast": lambda self, texts, **kw: calls.append(len(texts))
+                                           or plain.encode_batch_fast(texts, **kw)})()
     questions = {"late": Question.noul("is it late", true_description="it is late"),
                  "team": Question.choice("team", {"billing": None, "support": "the doc"}),
                  "mood": Question.score("is it late", ["calm", "", "angry"])}
