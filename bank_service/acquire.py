@@ -21,7 +21,8 @@
     registers each finished entry READY with a pin per waiter (register(..., pin_lease_s)).
     Idle after a pass, it keeps the room of one more entry (`_keep_room`); idle, it captures one
     queued CUDA graph at a time (kev/exec/passes.py; CUDA only).
-    An Acquire that brings rows skips the look-up: its scorer missed the directory just now.
+    An Acquire that brings rows looks the directory up only for a document the bank holds
+    (`live`): its scorer missed the directory just now, or took the document for new unasked.
 
 One thread mutates the bank and the directory's view of it (allocation, eviction, registration,
 recovery after a Redis restart), so no two of those interleave. `live` (doc_key -> handle) is
@@ -111,11 +112,14 @@ class Acquirer:
         when the document is new and its pass runs it alone (`_sweeper`)."""
         start = time.perf_counter()
         doc_key = document_key(self.model_id, tokens)
-        # A caller that brings rows missed the directory just now (a scorer sends them only then):
-        # no second look. A document registered meanwhile is found live by the worker and pinned
-        # there (`_process`), at the cost of a hop to the worker, not of a pass.
+        # A caller that brings rows takes the document for new: it missed the directory just now, or
+        # skipped it (an idle scorer that has not seen the document lately). The directory is asked
+        # only for a document the bank holds; one registered meanwhile is found live by the worker
+        # and pinned there (`_process`), at the cost of a hop to the worker, not of a pass.
+        with self._lock:
+            look_up = rows is None or doc_key in self._live
         try:
-            lease = None if rows is not None else self.directory.lookup_and_pin(doc_key, lease_s)
+            lease = self.directory.lookup_and_pin(doc_key, lease_s) if look_up else None
         except DirectoryUnavailable as e:
             raise Unavailable(str(e)) from e
         if lease is not None:

@@ -231,17 +231,21 @@ class BankLink:
 
     # ------------------------------------------------------------------------------ handles
 
-    def acquire(self, document_ids, timeout_s: float | None, rows: Sequence[QuestionRow] = ()) -> DocLease:
+    def acquire(self, document_ids, timeout_s: float | None, rows: Sequence[QuestionRow] = (),
+                look_up: bool = True) -> DocLease:
         """A pinned, confirmed handle for the document (raises ServiceError / InvalidRequest). On a
         miss `rows` go with the Acquire: an idle bank answers them in the document's sweep
-        (`DocLease.probabilities`), a busy one ignores them."""
+        (`DocLease.probabilities`), a busy one ignores them. `look_up=False` skips the directory
+        and asks the bank straight away (a document taken for new: the bank pins a stored one)."""
         start = time.perf_counter()
         att = self.attachment()
         key = document_key(self.loaded.model_id, document_ids)
         try:
-            found = att.directory.lookup_and_pin(key, self.config.lease_seconds)
+            found = att.directory.lookup_and_pin(key, self.config.lease_seconds) if look_up else None
         except DirectoryUnavailable as e:
             raise Unavailable(f"directory (Redis) unreachable: {e}") from None
+        if not look_up:
+            self.metrics.directory_skips.inc()
         if found is not None:
             lease = DocLease(BankHandle(found.slot, found.generation), found.lease_id, found.length, True, att, 0.0)
         else:

@@ -22,6 +22,8 @@
     kev_scorer_bank_hit_ratio                gauge      hits / (hits + misses) since start
     kev_scorer_idle_sweeps_total             counter    requests the bank answered in their new document's sweep
                                                         (sent while this scorer was idle; no row pass here)
+    kev_scorer_directory_skips_total         counter    idle requests whose document went to the bank with no
+                                                        directory look-up (not in the document cache: taken for new)
     kev_scorer_rows_passed_over_total        counter    rows cut from a row pass to the next (KEV_ROW_CUT_BACK)
     kev_scorer_document_cache_lookups_total{result} counter  documents found (hit) or tokenized (miss) in the
                                                         tokenized-document cache (KEV_DOCUMENT_CACHE_TOKENS)
@@ -83,6 +85,8 @@ class ScorerMetrics:
                                     registry=r)
         self.idle_sweeps = Counter("kev_scorer_idle_sweeps", "Requests answered in their new document's sweep "
                                    "by the bank", registry=r)
+        self.directory_skips = Counter("kev_scorer_directory_skips", "Idle requests whose document went to "
+                                       "the bank unlooked-up (taken for new)", registry=r)
         self.rows_passed_over = Counter("kev_scorer_rows_passed_over", "Rows cut from a pass to the next "
                                         "one (KEV_ROW_CUT_BACK)", registry=r)
         self.bank_hit_ratio = Gauge("kev_scorer_bank_hit_ratio", "Share of documents found in the bank",

@@ -133,9 +133,12 @@ class ScorerService:
         clock.lap("prepare")
         for attempt in (1, 2):
             try:
-                # Idle, a new document's rows go with its Acquire (an idle bank sweeps them: no row pass here).
+                # Idle, a new document's rows go with its Acquire (an idle bank sweeps them: no row pass
+                # here). A document this scorer has not seen lately is taken for new: it goes to the bank
+                # with no directory look-up first (the bank finds a stored one itself and just pins it).
                 sweep = prepared.rows if self.config.idle_sweeps and self.batcher.idle else ()
-                lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic(), rows=sweep)
+                lease = self.link.acquire(prepared.document_ids, deadline - time.monotonic(), rows=sweep,
+                                          look_up=not sweep or prepared.document_seen)
                 clock.lap("acquire")
                 try:
                     if lease.probabilities is not None:

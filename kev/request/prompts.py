@@ -243,6 +243,9 @@ class PreparedRequest:
     truncated: bool
     rows: tuple[QuestionRow, ...]  # in the request's question order
     unknown_tokens: int = 0  # document and row tokens that are the tokenizer's unknown token (Usage.unknown_tokens)
+    # The document's ids came from the builder's cache of recent documents (`PromptBuilder.documents`):
+    # this scorer saw it lately, so it is likely stored in the bank already.
+    document_seen: bool = False
 
     @property
     def input_tokens(self) -> int:
@@ -302,22 +305,22 @@ class PromptBuilder:
 
     def document_tokens(self, doc: JsonDocument, truncate: bool = False) -> tuple[list[int], bool]:
         """`[<state>] + tokens(render_document(doc))`, at most max_document_tokens (head kept)."""
-        _, ids = self._encode_with_document([], [], render_document(doc))
+        _, ids, _ = self._encode_with_document([], [], render_document(doc))
         return self._document(ids, truncate)
 
     def _encode_with_document(self, texts: list[str], fields: list[str], document: str
-                              ) -> tuple[list[list[int]], list[int]]:
+                              ) -> tuple[list[list[int]], list[int], bool]:
         """`encode_text` of `texts` and of `document` in one tokenizer call, the document's ids
-        from `documents` when it was seen lately (then only `texts` are encoded)."""
+        from `documents` when it was seen lately (then only `texts` are encoded; the flag says so)."""
         cache = self.documents
         key = cache.key(document) if cache is not None else None
         doc_ids = cache.get(key) if cache is not None else None
         if doc_ids is not None:
-            return (self.encode_text(texts, fields) if texts else []), doc_ids
+            return (self.encode_text(texts, fields) if texts else []), doc_ids, True
         *ids, doc_ids = self.encode_text([*texts, document], [*fields, "document"])
         if cache is not None:
             cache.put(key, doc_ids)
-        return ids, doc_ids
+        return ids, doc_ids, False
 
     def _document(self, ids: list[int], truncate: bool) -> tuple[list[int], bool]:
         limit = self.limits.max_document_tokens
@@ -335,8 +338,9 @@ class PromptBuilder:
         return self._row(self.encode_text(texts, text_fields), prefix)
 
     def request_tokens(self, questions: Sequence[tuple[str, Question]], doc: JsonDocument, truncate: bool = False
-                       ) -> tuple[list[RowPrompt], list[int], bool]:
-        """`row_tokens` of each (name, question), then `document_tokens`, in one tokenizer call: each
+                       ) -> tuple[list[RowPrompt], list[int], bool, bool]:
+        """`row_tokens` of each (name, question), then `document_tokens` and whether the document's
+        ids came from the cache of recent documents, in one tokenizer call: each
         call gives the GIL up and takes it back, which on a loaded scorer waits behind the other
         request threads (six-short's seven calls took 0.25-0.32 ms on one core, one 0.11). Every
         question is checked before the document is rendered."""
@@ -347,12 +351,12 @@ class PromptBuilder:
             texts += t
             fields += f
             counts.append(len(t))
-        ids, doc_ids = self._encode_with_document(texts, fields, render_document(doc))
+        ids, doc_ids, seen = self._encode_with_document(texts, fields, render_document(doc))
         rows, at = [], 0
         for prefix, n in zip(prefixes, counts):
             rows.append(self._row(ids[at : at + n], prefix))
             at += n
-        return rows, *self._document(doc_ids, truncate)
+        return rows, *self._document(doc_ids, truncate), seen
 
     def _row(self, segments: Sequence[list[int]], prefix: str) -> RowPrompt:
         """A row from its encoded instructions and options (`_row_texts` order)."""
@@ -443,8 +447,8 @@ def validate_and_build(request: ScoreRequest, builder: PromptBuilder) -> Prepare
     for name in request.questions:
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequest(question_field(str(name)), "question names must be non-empty strings")
-    prompts, doc_ids, truncated = builder.request_tokens(list(request.questions.items()), request.document,
-                                                         request.truncate_document)
+    prompts, doc_ids, truncated, seen = builder.request_tokens(list(request.questions.items()), request.document,
+                                                               request.truncate_document)
     rows = [QuestionRow(name, question, prompt) for (name, question), prompt in zip(request.questions.items(), prompts)]
     unknown = builder.count_unknown(doc_ids) + sum(builder.count_unknown(r.prompt.ids) for r in rows)
-    return PreparedRequest(tuple(doc_ids), truncated, tuple(rows), unknown)
+    return PreparedRequest(tuple(doc_ids), truncated, tuple(rows), unknown, seen)

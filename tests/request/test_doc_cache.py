@@ -4,6 +4,7 @@ token budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -44,10 +45,19 @@ def random_request(rng: random.Random, document) -> ScoreRequest:
 
 
 def outcome(b: PromptBuilder, request: ScoreRequest):
+    """The prepared request (whether its document came from the cache aside), or the error."""
     try:
-        return validate_and_build(request, b)
+        return dataclasses.replace(validate_and_build(request, b), document_seen=False)
     except (DocumentTooLong, InvalidRequest) as e:
         return type(e).__name__, str(e)
+
+
+def test_a_prepared_request_says_whether_its_document_came_from_the_cache():
+    cached, plain = builder(1 << 20), builder(0)
+    request = ScoreRequest(document="the invoice was late", questions={"q": Question.noul("was it late")})
+    first, again = validate_and_build(request, cached), validate_and_build(request, cached)
+    assert not first.document_seen and again.document_seen
+    assert not validate_and_build(request, plain).document_seen and not validate_and_build(request, plain).document_seen
 
 
 @pytest.mark.parametrize("max_document_tokens", [65536, 120])  # 120: some documents cut, some refused
@@ -69,7 +79,8 @@ def test_a_hit_encodes_only_the_questions():
                                       encode(texts, **kw)})()
     request = ScoreRequest(document="the invoice was late " * 50, questions={"q": Question.noul("was it late")})
     first, again = validate_and_build(request, b), validate_and_build(request, b)
-    assert first == again and len(seen) == 2 and seen[0] == seen[1] + 1  # the row's texts + the document, then the row's
+    assert dataclasses.replace(first, document_seen=True) == again and again.document_seen
+    assert len(seen) == 2 and seen[0] == seen[1] + 1  # the row's texts + the document, then the row's
 
 
 def test_the_cache_keeps_its_token_budget_least_recently_used_first():

@@ -453,10 +453,11 @@ def test_a_swept_caller_is_answered_before_its_entry_is_registered(loaded, sweep
     assert again.cached and again.handle == got.handle
 
 
-def test_an_acquire_with_rows_skips_the_directory_look_up_and_still_finds_a_live_entry(loaded, sweeping_bank):
-    """Rows come from a caller that missed the directory just now: the bank does not look again.
-    A document that is in the bank all the same (registered in between) is pinned by the worker,
-    with no pass: cached, a lease, no answers."""
+def test_an_acquire_with_rows_looks_the_directory_up_only_for_a_document_the_bank_holds(loaded, sweeping_bank):
+    """Rows come with a document its caller takes for new (it missed the directory, or an idle scorer
+    skipped it): the bank asks the directory only for a document it holds, and answers that one from
+    the directory at once, not behind its worker's pass of another document: cached, a lease, no
+    answers, no pass of its own."""
     b = sweeping_bank
     looked = []
     lookup = b.directory.lookup_and_pin
@@ -464,11 +465,22 @@ def test_an_acquire_with_rows_skips_the_directory_look_up_and_still_finds_a_live
     ids, rows, _ = sweep_rows(loaded, 8)
     first = b.acq.acquire(ids, 30, 10, rows=rows)
     assert looked == [] and not first.cached and first.probabilities is not None
-    passes, sweeps = list(b.held.passes), b.acq.metrics.sweeps._value.get()
-    again = b.acq.acquire(ids, 30, 10, rows=rows)
-    assert looked == [] and again.cached and again.probabilities is None and again.handle == first.handle
-    assert again.lease is not None and b.held.passes == passes and b.acq.metrics.sweeps._value.get() == sweeps
+    sweeps = b.acq.metrics.sweeps._value.get()
+    b.held.hold = True
+    threads, results = in_threads(b.acq.acquire, [(tokens(0, 10), 30, 10)])
+    assert b.held.inside.wait(5)  # another document's pass is in flight (it looked itself up first)
+    looked.clear()
+    try:
+        again = b.acq.acquire(ids, 30, 2, rows=rows)
+        assert looked == [first.doc_key] and again.cached and again.probabilities is None
+        assert again.handle == first.handle and again.lease is not None
+    finally:
+        b.held.release()
+    threads[0].join(10)
+    assert not isinstance(results[0], BaseException), results
+    assert b.held.passes == [[10]] and b.acq.metrics.sweeps._value.get() == sweeps
     b.acq.release(again.lease.lease_id)
+    b.acq.release(results[0].lease.lease_id)
 
 
 def test_rows_over_the_sweep_caps_or_on_a_bank_without_sweeps_are_ignored(loaded, sweeping_bank, bank):

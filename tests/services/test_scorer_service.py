@@ -92,6 +92,8 @@ def test_answers_equal_in_process_engine(served):
             assert_same(score(stub, r), w)
         assert scorer_metric(stack, "kev_scorer_idle_sweeps_total") > 0
         assert scorer_metric(stack, "kev_scorer_pins_held") == 0  # a swept request holds none, releases none
+        # each new document went to the bank with no directory look-up first (taken for new, unseen)
+        assert scorer_metric(stack, "kev_scorer_directory_skips_total") >= len({repr(r.document) for r in requests[:20]})
         with ThreadPoolExecutor(16) as pool:
             got = list(pool.map(lambda r: score(stub, r), requests))
     for g, w in zip(got, want):
@@ -133,6 +135,14 @@ def test_second_scorer_gives_identical_answers(served):
     stack, requests, want = served
     second = stack.add_scorer(env={"KEV_METRICS_PORT": "0"})  # the first holds the fixture's port
     try:
+        # Idle, documents it has not seen go to the bank unlooked-up; the bank holds them (the first
+        # scorer's): it pins them and answers at once, and the rows run here, on the stored states.
+        with grpc.insecure_channel(second) as channel:
+            stub = scorer_pb2_grpc.ScorerStub(channel)
+            for r, w in zip(requests[:5], want[:5]):
+                got = score(stub, r)
+                assert_same(got, w)
+                assert got.usage.cached_state_tokens == got.usage.document_tokens
         for addr in (stack.scorer_addr, second):
             with grpc.insecure_channel(addr) as channel:
                 stub = scorer_pb2_grpc.ScorerStub(channel)
