@@ -54,6 +54,10 @@ AnyKey = GraphKey | SweepKey
 # per-chunk kernels compute in full stay within a third of the real ones.
 CHUNK_STEPS = tuple(sorted({1 << k for k in range(14)} | {3 << k for k in range(13)}))
 MIN_SEQ_TOKENS = 8  # a key's sequence room assumes this mean length at most; shorter passes take a larger key
+# State ladders from here up: a half step between two steps, with only its smallest chunk list (room
+# for a document or a few). A pass of one long document (an idle bank's sweep) pads at most an
+# eighth instead of a quarter, for one key more per step (16 at the default cap of 16,384 tokens).
+HALF_STEPS_FROM = 1024
 
 
 def token_ladder(max_tokens: int) -> tuple[int, ...]:
@@ -76,18 +80,28 @@ class CapturePolicy(enum.Enum):
 class KeyLadder:
     """The keys of one kind of pass: T from `token_ladder(max_tokens)`, and per T the chunk-list
     sizes from just enough for one sequence filling T to room for `max_seqs` sequences (of at least
-    MIN_SEQ_TOKENS tokens on average; the top T holds `max_seqs` of any length)."""
+    MIN_SEQ_TOKENS tokens on average; the top T holds `max_seqs` of any length). A state ladder
+    also has its `half_steps`, each with only the smallest chunk list."""
 
     kind: PassKind
     max_tokens: int
     max_seqs: int
 
     @cached_property
+    def half_steps(self) -> frozenset[int]:
+        if self.kind is not PassKind.STATE:
+            return frozenset()
+        steps = token_ladder(self.max_tokens)
+        return frozenset((a + b) // 32 * 16 for a, b in zip(steps, steps[1:]) if a >= HALF_STEPS_FROM) - set(steps)
+
+    @cached_property
     def tokens(self) -> tuple[int, ...]:
-        return token_ladder(self.max_tokens)
+        return tuple(sorted({*token_ladder(self.max_tokens), *self.half_steps}))
 
     def chunk_sizes(self, tokens: int) -> tuple[int, ...]:
         least = cdiv(tokens, CHUNK) + 1  # one sequence filling T, and the (empty) padding sequence
+        if tokens in self.half_steps:
+            return (next(c for c in CHUNK_STEPS if c >= least),)
         # the top of the ladder holds every pass within the caps, however short its sequences
         room = self.max_seqs if tokens >= self.max_tokens else min(self.max_seqs, max(1, tokens // MIN_SEQ_TOKENS))
         most = least + room
@@ -104,31 +118,39 @@ class KeyLadder:
 
     def best_cut(self, lens: Sequence[int], align: int | None = None) -> list[int]:
         """The lengths of a pass of sequences of `lens` to run now when what is cut can wait for the
-        next pass: all of them, or the most that fit the ladder step below theirs, whichever pads a
-        smaller share (a pass spilling just past a step pads up to a quarter of it). Cut back, the
-        trailing sequences go and, with `align`, the last one kept may be cut short to a multiple of
-        it (a sequence that continues in a later pass: the bank's document pieces); without, only
-        whole sequences stay (rows)."""
+        next pass: all of them, or the most that fit one of the two ladder steps below theirs (a half
+        step's and a whole one's), whichever pads a smaller share (a pass spilling just past a step
+        pads up to a quarter of it). Cut back, the trailing sequences go and, with `align`, the last
+        one kept may be cut short to a multiple of it (a sequence that continues in a later pass: the
+        bank's document pieces); without, only whole sequences stay (rows)."""
         lens = list(lens)
         full = self.key_for(lens)
-        lower = [T for T in self.tokens if full is not None and T < full.tokens]
-        total = sum(lens)
-        if not lower or total <= lower[-1]:
+        if full is None:
             return lens
-        step, kept, out = lower[-1], 0, []
+        best, kept_best, tokens_best = lens, sum(lens), full.tokens
+        for step in [T for T in self.tokens if T < full.tokens][-2:]:
+            if sum(lens) <= step:  # the pass fits the step's tokens but none of its chunk lists
+                continue
+            out = self._fill(lens, step, align)
+            cut = self.key_for(out) if out else None
+            if cut is not None and sum(out) * tokens_best > kept_best * cut.tokens:
+                best, kept_best, tokens_best = out, sum(out), cut.tokens
+        return best
+
+    @staticmethod
+    def _fill(lens: list[int], step: int, align: int | None) -> list[int]:
+        """The leading sequences of `lens` that fit `step` tokens, the last one cut to a multiple of
+        `align` (when given) to fill it."""
+        kept, out = 0, []
         for n in lens:
             if kept + n > step:
                 part = (step - kept) // align * align if align else 0
                 if part > 0:
                     out.append(part)
-                    kept += part
                 break
             out.append(n)
             kept += n
-        cut = self.key_for(out) if out else None
-        if cut is not None and kept * full.tokens > total * cut.tokens:
-            return out
-        return lens
+        return out
 
     def key_for(self, lens: Sequence[int]) -> GraphKey | None:
         """The smallest key a pass of sequences of `lens` tokens fits, or None (beyond the caps)."""

@@ -193,7 +193,12 @@ def test_key_ladders():
     assert ladder.key_for([1] * 97) is None and ladder.key_for([]) is None and ladder.key_for([8193]) is None
     assert ladder.key_for([1] * 40).tokens > 40  # shorter than MIN_SEQ_TOKENS: a larger key, still one
     states = KeyLadder(PassKind.STATE, 16384, 64)
-    assert states.key_for([2200] * 5) == GraphKey(PassKind.STATE, 12288, 256)
+    assert states.key_for([2200] * 5) == GraphKey(PassKind.STATE, 11264, 192)  # a half step: room enough
+    # half steps (state ladders, from 1,024 tokens): one document pads at most an eighth, for 16 keys more
+    assert not ladder.half_steps and len(states.half_steps) == 16 and len(states.keys()) <= 200
+    assert all(len(states.chunk_sizes(T)) == 1 for T in states.half_steps)
+    assert states.key_for([2200]) == GraphKey(PassKind.STATE, 2304, 48)
+    assert all(states.key_for([n]).tokens <= 1.125 * n for n in range(1024, 16385, 7))
     assert states.key_for([48]) == GraphKey(PassKind.STATE, 48, 2)
     assert all(c in CHUNK_STEPS for k in states.keys() for c in [k.chunks])
     assert GraphKey(PassKind.STATE, 2304, 48).num_slots == 48 and GraphKey(PassKind.ROWS, 96, 12).picks == 96

@@ -120,7 +120,7 @@ def test_every_key_captured_then_only_replays_bit_identical_to_keyed_eager(setup
 
 def test_default_ladders_capture_within_the_stated_bounds(setup):
     """Every key of the services' default ladders (GraphPlan(): a scorer's ~175 row keys, the bank's
-    ~170 state keys) captured, on the small model, within the bounds docs/design.md states: the
+    185 state keys) captured, on the small model, within the bounds docs/design.md states: the
     graphs' memory (the one shared pool and the static buffers) at most twice the largest pass's
     activation bound (kev/exec/memory.py), and the captures themselves within 120 s."""
     import time
