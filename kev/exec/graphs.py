@@ -118,8 +118,8 @@ class KeyLadder:
 
     def best_cut(self, lens: Sequence[int], align: int | None = None) -> list[int]:
         """The lengths of a pass of sequences of `lens` to run now when what is cut can wait for the
-        next pass: all of them, or the most that fit one of the two ladder steps below theirs (a half
-        step's and a whole one's), whichever pads a smaller share (a pass spilling just past a step
+        next pass: all of them, or the most that fit the whole ladder step below theirs or a half step
+        between (state ladders), whichever pads a smaller share (a pass spilling just past a step
         pads up to a quarter of it). Cut back, the trailing sequences go and, with `align`, the last
         one kept may be cut short to a multiple of it (a sequence that continues in a later pass: the
         bank's document pieces); without, only whole sequences stay (rows)."""
@@ -127,8 +127,12 @@ class KeyLadder:
         full = self.key_for(lens)
         if full is None:
             return lens
+        below = [T for T in self.tokens if T < full.tokens]
+        whole = [T for T in below if T not in self.half_steps]
+        if not whole:
+            return lens
         best, kept_best, tokens_best = lens, sum(lens), full.tokens
-        for step in [T for T in self.tokens if T < full.tokens][-2:]:
+        for step in reversed([T for T in below if T >= whole[-1]]):  # larger first: it wins a tie
             if sum(lens) <= step:  # the pass fits the step's tokens but none of its chunk lists
                 continue
             out = self._fill(lens, step, align)
