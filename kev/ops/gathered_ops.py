@@ -32,7 +32,7 @@ from kev.ops.conv.indexed_conv import indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
 from kev.ops.meta import PassMeta
 from kev.ops.shapes import ShapeClass
-from kev.ops.triton_ops import TritonOps, split_attention
+from kev.ops.triton_ops import OUTPUT_IN_SCAN, TritonOps, split_attention
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +52,7 @@ class GatheredOps(TritonOps):
     name = "gathered"
 
     def __init__(self, max_prefix_tokens: int | None = None,
-                 output_in_scan: frozenset[ShapeClass] = frozenset()) -> None:
+                 output_in_scan: frozenset[ShapeClass] = OUTPUT_IN_SCAN) -> None:
         super().__init__(output_in_scan)
         if max_prefix_tokens is not None and max_prefix_tokens < 1:
             raise ValueError(f"max_prefix_tokens must be >= 1, got {max_prefix_tokens}")

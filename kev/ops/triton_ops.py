@@ -56,6 +56,12 @@ def split_attention(meta: PassMeta, num_tokens: int) -> bool:
     return split_mode(meta.pass_class(num_tokens))
 
 
+# The shape classes whose delta rule forms its output inside the state pass's kernel
+# (kev.ops.delta_rule.scan_output) instead of storing every chunk's start state for fla's
+# chunk_fwd_o: none until bench/delta_rule_ab.py has measured on the GPU which classes it speeds up.
+OUTPUT_IN_SCAN: frozenset[ShapeClass] = frozenset()
+
+
 class TritonOps:
     name = "triton"
 
@@ -68,10 +74,7 @@ class TritonOps:
     sigmoid_mul = staticmethod(activations.sigmoid_mul)
     delta_gates = staticmethod(activations.delta_gates)
 
-    def __init__(self, output_in_scan: frozenset[ShapeClass] = frozenset()) -> None:
-        # The shape classes whose delta rule forms its output inside the state pass's kernel
-        # (kev.ops.delta_rule.scan_output) instead of storing every chunk's start state for fla's
-        # chunk_fwd_o: none until bench/delta_rule_ab.py has measured which classes it speeds up.
+    def __init__(self, output_in_scan: frozenset[ShapeClass] = OUTPUT_IN_SCAN) -> None:
         self.output_in_scan = frozenset(output_in_scan)
         self._indices: weakref.WeakKeyDictionary[PassMeta, PassIndices] = weakref.WeakKeyDictionary()
 
