@@ -13,6 +13,7 @@ and counts the compile keys over batch sizes 1..64 (no GPU needed, nothing is co
 """
 
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -586,59 +587,24 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
     assert triton.__version__.startswith("3.6"), "kernels are written against Triton 3.6"
 
 
-def test_kernels_compile_for_hopper(compiled_modules, monkeypatch):
+
+def test_kernels_compile_for_hopper():
     """The own kernels compile for sm_90 all the way to a cubin (Triton's front end, its Hopper passes
     and the bundled ptxas), at Kev-4B head dims with the served dtypes: bf16 activations, fp32
-    states. The interpreter runs the maths, not the code generation; this catches what only a GPU
-    compile would (a construct the Hopper backend rejects), with no GPU. One config each."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
+    states (tests/ops/hopper_compile.py, in a process of its own: the interpreter's patches to
+    triton.language in this one would leak into the compile). The interpreter runs the maths, not the
+    code generation; this catches what only a GPU compile would (a construct the Hopper backend
+    rejects), with no GPU. One config each."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    import triton
-    from triton import knobs
-
-    indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
-    scan_output = compiled_modules.scan_output
-    monkeypatch.setattr(driver, "_active", FakeHopper())
-    compiled = {}
-
-    def compile_instead(*, fn, compile, **_):
-        info = compile
-        src = fn.jit_function.ASTSource(fn.jit_function, info["signature"], info["constants"], info["configs"][0])
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=info["num_warps"], num_stages=info["num_stages"]))
-        compiled[fn.name] = len(kernel.asm["cubin"])
-        return True  # nothing to launch it on
-
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", compile_instead)
-    H, HV, K, V, HQ, HKV, D, BS, N, L, S = 16, 32, 128, 128, 16, 4, 256, 64, 3, 70, 4
-    T, C = N * L, 2 * H * K + HV * V
-    bf = dict(dtype=torch.bfloat16)
-    cu = torch.arange(N + 1) * L
-    read, write = torch.tensor([0, -1, 2]), torch.tensor([-1, 1, -1])
-    nc = -(-L // 64)
-    chunks = torch.stack([torch.arange(N).repeat_interleave(nc), torch.arange(nc).repeat(N)], 1)
-    offsets = torch.arange(N + 1) * nc
-    indexed_conv.indexed_causal_conv(x=torch.randn(T, C + 8, **bf)[:, :C], weight=torch.randn(C, 4, **bf),
-                                     cu_seqlens=cu, conv_pool=torch.zeros(S, C, 3, **bf), read_slots=read,
-                                     write_slots=write, chunk_indices=chunks, split=2 * H * K,
-                                     config=indexed_conv.CONV_CONFIGS[0])
-    indexed_scan.l2norm_heads(torch.randn(T, 2 * H, K, **bf), blocks=2, config=indexed_scan.L2NORM_CONFIGS[0])
-    q, k, w = (torch.randn(T, n, K, **bf) for n in (H, H, HV))
-    u, g, pool = torch.randn(T, HV, V, **bf), torch.randn(T, HV), torch.zeros(S, HV, K, V)
-    indexed_scan.indexed_scan(k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write,
-                              config=indexed_scan.SCAN_CONFIGS[0])
-    scan_output.indexed_scan_output(q, k, w, u, g, cu, pool, read, write, K ** -0.5,
-                                    config=scan_output.SCAN_OUTPUT_CONFIGS[0])
-    block = paged_prefix.query_block(HQ // HKV)
-    nb = -(-L // block)
-    attn_chunks = torch.stack([torch.arange(N).repeat_interleave(nb), torch.arange(nb).repeat(N)], 1)
-    for split in (False, True):
-        paged_prefix.paged_prefix_attention(
-            q=torch.randn(T, HQ, D, **bf), k=torch.randn(T, HKV, D, **bf), v=torch.randn(T, HKV, D, **bf),
-            cu_seqlens=cu, prefix_lens=torch.tensor([5, 0, 300]), key_pages=torch.zeros(S * 8, BS, HKV, D, **bf),
-            value_pages=torch.zeros(S * 8, BS, HKV, D, **bf), block_table=torch.zeros(N, 8, dtype=torch.int32),
-            write_slots=write, chunk_indices=attn_chunks, config=paged_prefix.ATTN_CONFIGS[0], split=split)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("hopper_compile.py"))], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiled = json.loads(out.stdout.splitlines()[-1])
     assert set(compiled) >= {"indexed_conv_fwd_kernel", "l2norm_heads_kernel", "indexed_scan_fwd_kernel",
                              "indexed_scan_output_kernel", "paged_prefix_attn_fwd_kernel",
                              "paged_prefix_span_kernel", "paged_prefix_finish_kernel"}, sorted(compiled)

@@ -42,12 +42,18 @@ StartStates = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
 
+# The [K, BV] fp32 state lives in registers. Compiled for sm_90 at K = V = 128 (ptxas, 255 registers
+# a thread in all), the 2-warp configs spill 250-1,080 bytes a thread, the 4-warp ones 0-750, and
+# these that spill none or nearly (8-16 bytes) were added: 8 warps at BV 32 / 64, 4 warps at BV 16
+# (four times the programs, for passes of one or a few documents, whose state pass has little else
+# to run in parallel). The autotuner picks per shape class; every config gives the same bits.
 SCAN_CONFIGS = [
     triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
     for BV in [32, 64]
     for num_warps in [2, 4]
     for num_stages in [2, 3]
-]
+] + [triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
+     for BV, num_warps in [(32, 8), (64, 8), (16, 4)] for num_stages in [1, 2]]
 L2NORM_CONFIGS = [triton.Config({"BTN": 16}, num_warps=4), triton.Config({"BTN": 32}, num_warps=4)]
 if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
     SCAN_CONFIGS, L2NORM_CONFIGS = SCAN_CONFIGS[:1], L2NORM_CONFIGS[:1]
