@@ -591,21 +591,22 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
 def test_kernels_compile_for_hopper():
     """The own kernels compile for sm_90 all the way to a cubin (Triton's front end, its Hopper passes
     and the bundled ptxas), at Kev-4B head dims with the served dtypes: bf16 activations, fp32
-    states (tests/ops/hopper_compile.py, in a process of its own: the interpreter's patches to
-    triton.language in this one would leak into the compile). The interpreter runs the maths, not the
-    code generation; this catches what only a GPU compile would (a construct the Hopper backend
-    rejects), with no GPU. One config each."""
+    states (`python -m bench.kernel_resources --first`, in a process of its own: the interpreter's
+    patches to triton.language in this one would leak into the compile). The interpreter runs the
+    maths, not the code generation; this catches what only a GPU compile would (a construct the
+    Hopper backend rejects), with no GPU. One config each."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("hopper_compile.py"))], env=env,
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--first", "--json"], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    compiled = json.loads(out.stdout.splitlines()[-1])
-    assert set(compiled) >= {"indexed_conv_fwd_kernel", "l2norm_heads_kernel", "indexed_scan_fwd_kernel",
+    compiled = {e["function"]: e for e in json.loads(out.stdout.splitlines()[-1])}
+    assert set(compiled) == {"indexed_conv_fwd_kernel", "l2norm_heads_kernel", "indexed_scan_fwd_kernel",
                              "indexed_scan_output_kernel", "paged_prefix_attn_fwd_kernel",
                              "paged_prefix_span_kernel", "paged_prefix_finish_kernel"}, sorted(compiled)
-    assert all(size > 0 for size in compiled.values())
+    assert all(e["cubin_bytes"] > 0 and 0 < e["REG"] <= 255 for e in compiled.values())

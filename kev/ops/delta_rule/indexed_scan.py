@@ -42,11 +42,12 @@ StartStates = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
 
-# The [K, BV] fp32 state lives in registers. Compiled for sm_90 at K = V = 128 (ptxas, 255 registers
-# a thread in all), the 2-warp configs spill 250-1,080 bytes a thread, the 4-warp ones 0-750, and
-# these that spill none or nearly (8-16 bytes) were added: 8 warps at BV 32 / 64, 4 warps at BV 16
-# (four times the programs, for passes of one or a few documents, whose state pass has little else
-# to run in parallel). The autotuner picks per shape class; every config gives the same bits.
+# The [K, BV] fp32 state lives in registers. Compiled for sm_90 at Kev-4B's heads
+# (bench/kernel_resources.py), the 2-warp configs spill 32-616 bytes a thread and the 4-warp ones
+# none (134-250 registers); the 8-warp (141-202 registers) and the 4-warp BV 16 ones (100-143: four
+# times the programs, for passes of one or a few documents, whose state pass has little else to run
+# in parallel) were added as candidates. The autotuner picks per shape class; every config gives
+# the same bits.
 SCAN_CONFIGS = [
     triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
     for BV in [32, 64]

@@ -29,10 +29,10 @@ from kev.ops.utils import preserve_written_slots, shape_class
 
 CHUNK = 64  # the chunk of fla's WY pieces that produce w and u
 
-# Chosen by what spills least, compiled for sm_90 at K = V = 128 (ptxas; bytes of stack a thread):
-# BV 16 at 4 warps (0 at 2-3 stages), BV 64 at 8 warps (0 at 1 stage, 96 at 2), BV 32 at 4 warps
-# (230-250 at 1-2 stages) and at 8 (520), BV 64 at 4 (224 at 1 stage). 2 warps spill 1-9 KB and
-# are left out. The autotuner picks per shape class; every config gives the same bits.
+# The configs that spill least, compiled for sm_90 at Kev-4B's heads (bench/kernel_resources.py;
+# bytes of stack a thread): BV 16 at 4 warps and BV 32 at 8 (0), BV 64 at 8 (16 at 1 stage, 128 at
+# 2), BV 32 at 4 (24 at 2 stages, 264 at 1), BV 64 at 4 (400). All use 254-255 registers. The
+# autotuner picks per shape class; every config gives the same bits.
 SCAN_OUTPUT_CONFIGS = [
     triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
     for BV, num_warps, num_stages in [(16, 4, 2), (16, 4, 3), (64, 8, 1), (64, 8, 2), (32, 4, 1), (32, 4, 2),
