@@ -31,6 +31,7 @@ from triton.runtime.driver import driver
 from kev.ops.attention import paged_prefix
 from kev.ops.conv import indexed_conv
 from kev.ops.delta_rule import indexed_scan, scan_output
+from kev.ops.fused import activations, norms
 
 H, HV, K, V, HQ, HKV, D, BS = 16, 32, 128, 128, 16, 4, 256, 64  # Kev-4B's heads
 N, L, S = 3, 70, 4  # sequences of 70 tokens (two delta-rule chunks), pool slots
@@ -73,7 +74,21 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             value_pages=pages.clone(), block_table=torch.zeros(N, 8, dtype=torch.int32), write_slots=write,
             chunk_indices=attn_chunks, config=config, split=split)
 
+    hidden, mlp, rope = 2560, 9216, 64
+    x2, h2, wn = torch.randn(T, hidden, **bf), torch.randn(T, hidden, **bf), torch.randn(hidden, **bf)
+    cos, sin = torch.randn(T, rope, **bf), torch.randn(T, rope, **bf)
+    gate_up = torch.randn(T, 2 * mlp, **bf)
+    a, b = torch.randn(T, HV, **bf), torch.randn(T, HV, **bf)
+    one = [None]  # the fused kernels pick their blocks from the shape: nothing to tune
     return {
+        "rms_norm": (one, lambda c: norms.rms_norm(x2, wn, 1e-6)),
+        "add_rms_norm": (one, lambda c: norms.add_rms_norm(x2, h2, wn, 1e-6)),
+        "rms_norm_rope": (one, lambda c: norms.rms_norm_rope(qa, torch.randn(D, **bf), 1e-6, cos, sin)),
+        "gated_rms_norm": (one, lambda c: norms.gated_rms_norm(u, torch.randn(T, HV, V, **bf),
+                                                                 torch.randn(V, **bf), 1e-6)),
+        "silu_mul": (one, lambda c: activations.silu_mul(gate_up[:, :mlp], gate_up[:, mlp:])),
+        "sigmoid_mul": (one, lambda c: activations.sigmoid_mul(qa, torch.randn(T, HQ, D, **bf))),
+        "delta_gates": (one, lambda c: activations.delta_gates(a, b, torch.randn(HV), torch.randn(HV))),
         "indexed_conv": (indexed_conv.CONV_CONFIGS, lambda c: indexed_conv.indexed_causal_conv(
             x=x, weight=weight, cu_seqlens=cu, conv_pool=conv_pool, read_slots=read, write_slots=write,
             chunk_indices=chunks, split=2 * H * K, config=c)),
@@ -120,7 +135,7 @@ def survey(first_only: bool = False) -> list[dict]:
     try:
         for name, (configs, launch) in launchers().items():
             for config in configs[:1] if first_only else configs:
-                current = {"kernel": name, "config": str(config)}
+                current = {"kernel": name, "config": "blocks from the shape" if config is None else str(config)}
                 launch(config)
     finally:
         knobs.runtime.jit_cache_hook = None

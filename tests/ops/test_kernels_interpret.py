@@ -589,12 +589,13 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
 
 
 def test_kernels_compile_for_hopper():
-    """The own kernels compile for sm_90 all the way to a cubin (Triton's front end, its Hopper passes
-    and the bundled ptxas), at Kev-4B head dims with the served dtypes: bf16 activations, fp32
-    states (`python -m bench.kernel_resources --first`, in a process of its own: the interpreter's
-    patches to triton.language in this one would leak into the compile). The interpreter runs the
-    maths, not the code generation; this catches what only a GPU compile would (a construct the
-    Hopper backend rejects), with no GPU. One config each."""
+    """Every own kernel (delta rule, conv, attention, the fused norms and activations) compiles for
+    sm_90 all the way to a cubin (Triton's front end, its Hopper passes and the bundled ptxas), at
+    Kev-4B dims with the served dtypes: bf16 activations, fp32 states. It runs
+    `python -m bench.kernel_resources --first` in a process of its own: the interpreter's patches to
+    triton.language in this one would leak into the compile. The interpreter runs the maths, not
+    the code generation; this catches what only a GPU compile would (a construct the Hopper backend
+    rejects), with no GPU. One config each."""
     import json
     import os
     import subprocess
@@ -608,5 +609,7 @@ def test_kernels_compile_for_hopper():
     compiled = {e["function"]: e for e in json.loads(out.stdout.splitlines()[-1])}
     assert set(compiled) == {"indexed_conv_fwd_kernel", "l2norm_heads_kernel", "indexed_scan_fwd_kernel",
                              "indexed_scan_output_kernel", "paged_prefix_attn_fwd_kernel",
-                             "paged_prefix_span_kernel", "paged_prefix_finish_kernel"}, sorted(compiled)
+                             "paged_prefix_span_kernel", "paged_prefix_finish_kernel", "rms_norm_fwd_kernel",
+                             "gated_rms_norm_fwd_kernel", "silu_mul_fwd_kernel", "sigmoid_mul_fwd_kernel",
+                             "delta_gates_fwd_kernel"}, sorted(compiled)
     assert all(e["cubin_bytes"] > 0 and 0 < e["REG"] <= 255 for e in compiled.values())
