@@ -7,9 +7,10 @@ heads, K = V = 128, bf16), per pass shape:
   and writes neither; a row's last chunk skips the state update it would throw away.
 
 The whole `indexed_chunk_gated_delta_rule` call is timed (the L2 norm, cumsum and WY pieces are the
-same in both), captured in a CUDA graph of CALLS calls and timed by replay, after every autotuned
-kernel was tuned on that shape alone (fla's `chunk_fwd_o` keys omit the token count: its cache is
-cleared per shape). Rows read bank slots and write none; documents start from zeros and write their
+same in both), and the part that differs alone (the state kernel and `chunk_fwd_o`, against the
+fused kernel, on the same inputs; and the state kernel by itself). Each is captured in a CUDA graph
+of CALLS calls and timed by replay, after every autotuned kernel was tuned on that shape alone
+(fla's `chunk_fwd_o` keys omit the token count: its cache is cleared per shape). Rows read bank slots and write none; documents start from zeros and write their
 slots. Shapes: each shape class's tuning shapes (`kev.ops.shapes.CLASS_SHAPES`, rows at 40 tokens)
 and wider ones on both sides of the classes' bounds, none taken from a load workload.
 Also: every `SCAN_OUTPUT_CONFIGS` config is bit-identical on each shape, and the two paths' outputs
@@ -27,8 +28,14 @@ import torch
 
 from bench.common import capture, cuda_ms, kev4b_config, run_info, write_json
 from kev.ops.autotune import hot_autotuners
+from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.utils.constant import RCP_LN2
+from fla.ops.utils.cumsum import chunk_local_cumsum
+from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
 from kev.ops.delta_rule import scan_output
-from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
+from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule, indexed_scan, l2norm_heads
 from kev.ops.shapes import CLASS_SHAPES, classify
 
 DEVICE = "cuda"
@@ -80,6 +87,37 @@ def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
 
 
+def parts_us(x: dict) -> dict:
+    """The part that differs alone, from the same w, u and g: the state kernel then fla's
+    `chunk_fwd_o` (split), against the state kernel that forms the output (fused)."""
+    cu = x["cu"]
+    q, k = l2norm_heads(x["q"]), l2norm_heads(x["k"])
+    chunks, offsets = prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK)
+    g = chunk_local_cumsum(g=x["g"][None], chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=chunks)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=x["v"].contiguous()[None], g=g, beta=x["beta"][None],
+                                               cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=chunks)
+    w, u, g = w[0], u[0], g[0]
+    HV, K, V = w.shape[1], w.shape[2], u.shape[2]
+    scale, pool = K ** -0.5, x["pool"].clone()
+    h = k.new_empty(chunks.shape[0], HV, K, V)
+    v_new = torch.empty_like(u)
+
+    def split():
+        indexed_scan(k, w, u, g, cu, offsets, chunks.shape[0], pool, x["read"], x["write"], h=h, v_new=v_new)
+        chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g[None], scale=scale, cu_seqlens=cu,
+                    chunk_size=CHUNK, chunk_indices=chunks)
+
+    def fused():
+        scan_output.indexed_scan_output(q, k, w, u, g, cu, pool, x["read"], x["write"], scale)
+
+    def scan_alone():
+        indexed_scan(k, w, u, g, cu, offsets, chunks.shape[0], pool, x["read"], x["write"], h=h, v_new=v_new)
+
+    out = {"split_parts_us": graph_us(split), "fused_part_us": graph_us(fused), "scan_alone_us": graph_us(scan_alone)}
+    out["fused_over_split_parts"] = out["fused_part_us"] / out["split_parts_us"]
+    return out
+
+
 def case(cfg, kind: str, seqs: int, tokens: int, gen) -> dict:
     x = inputs(cfg, kind, seqs, tokens, gen)
     for tuner in hot_autotuners().values():  # tuned on this shape alone
@@ -93,6 +131,7 @@ def case(cfg, kind: str, seqs: int, tokens: int, gen) -> dict:
         timing_pool = x["pool"].clone()
         out[f"{name}_us"] = graph_us(lambda: run(x, timing_pool, in_scan))
     out["in_scan_over_split"] = out["output_in_scan_us"] / out["split_us"]
+    out.update(parts_us(x))
     (o_split, p_split), (o_fused, p_fused) = results["split"], results["output_in_scan"]
     out["rel_err_output"] = rel_err(o_split, o_fused)
     out["rel_err_states"] = rel_err(p_split, p_fused) if kind == "docs" else 0.0
@@ -119,7 +158,9 @@ def main():
         entry = case(cfg, kind, seqs, tokens, gen)
         result["cases"].append(entry)
         print(f"{kind} {seqs}x{tokens} ({entry['shape_class']}): split {entry['split_us']:.1f} us, output in scan "
-              f"{entry['output_in_scan_us']:.1f} us ({entry['in_scan_over_split']:.3f}x); rel err output "
+              f"{entry['output_in_scan_us']:.1f} us ({entry['in_scan_over_split']:.3f}x; the part that differs: "
+              f"{entry['split_parts_us']:.1f} -> {entry['fused_part_us']:.1f} us, the state kernel alone "
+              f"{entry['scan_alone_us']:.1f}); rel err output "
               f"{entry['rel_err_output']:.1e}, states {entry['rel_err_states']:.1e}; configs bit-identical "
               f"{entry['configs_bit_identical']}", flush=True)
         torch.cuda.empty_cache()
