@@ -222,9 +222,9 @@ class BankLink:
         except DirectoryUnavailable as e:
             raise Unavailable(f"directory (Redis) unreachable: {e}") from None
 
-    def _confirm(self, att: Attachment) -> bool:
-        """True if handles obtained under `att` since it was confirmed are still valid."""
-        epoch = self._epoch(att.directory)
+    def _confirm(self, att: Attachment, epoch: str | None) -> bool:
+        """True if handles obtained under `att` since it was confirmed are still valid, given the
+        directory's epoch read after they were obtained (or in the script that pinned one)."""
         if epoch is not None and epoch == att.epoch and self._current is att:
             return True
         return self.reattach(att) is att
@@ -270,7 +270,9 @@ class BankLink:
             lease.released = True
         try:
             if pinned:
-                if not self._confirm(att):
+                # a directory hit brought the epoch with its pin (no second call); a bank's handle reads it
+                epoch = found.epoch if found is not None else self._epoch(att.directory)
+                if not self._confirm(att, epoch):
                     raise StaleAttachment("the bank restarted while the document was looked up")
                 lease.fingerprint = key_fingerprint(key)
                 self._check_document(att, key, lease)

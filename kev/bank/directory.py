@@ -73,6 +73,7 @@ class Lease:
     generation: int
     length: int
     expires_at_ms: int  # Redis clock
+    epoch: str | None = None  # `lookup_and_pin`: the directory's epoch when it pinned (None: none set)
 
 
 @dataclass(frozen=True)
@@ -161,14 +162,15 @@ class Directory:
             raise ValueError(f"doc_key {doc_key!r} is not a key of model {self.model_id!r}")
 
     def lookup_and_pin(self, doc_key: str, lease_s: float) -> Lease | None:
-        """Pins a ready entry with a new lease and marks it used; None on a miss (or while filling)."""
+        """Pins a ready entry with a new lease and marks it used; None on a miss (or while filling).
+        The lease carries the epoch read in the same script (`Lease.epoch`)."""
         self._check_doc_key(doc_key)
         lease_id = uuid.uuid4().hex
         reply = self._run(self._lookup_and_pin, doc_key, lease_id, _lease_ms(lease_s))
         if reply is None:
             return None
-        slot, gen, length, expiry = (_str(x) for x in reply)  # type: ignore[union-attr]
-        return Lease(lease_id, doc_key, int(slot), int(gen), int(length), int(expiry))
+        slot, gen, length, expiry, epoch = (_str(x) for x in reply)  # type: ignore[union-attr]
+        return Lease(lease_id, doc_key, int(slot), int(gen), int(length), int(expiry), epoch or None)
 
     def renew(self, lease_id: str, lease_s: float) -> int | None:
         """Extends a live lease to now + lease_s; returns the new expiry (ms), None if it expired."""

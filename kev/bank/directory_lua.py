@@ -100,7 +100,8 @@ local expiry = now + lease_ms
 add_lease(doc, lease_id, expiry)
 redis.call('ZADD', LRU, 'XX', fmt(now_us), doc)
 redis.call('HINCRBY', STATS, 'hits', 1)
-return {e[1], e[2], e[3], fmt(expiry)}
+-- the epoch with the pin: a caller checks its bank is the one that registered it, with no second call
+return {e[1], e[2], e[3], fmt(expiry), redis.call('GET', EPOCH) or ''}
 """
 
 RENEW = _PRELUDE + r"""

@@ -337,6 +337,7 @@ def test_redis_restart(redis_server: RedisServer, directory: Directory) -> None:
     assert guard is not None and directory.evict_if_unpinned(10) == []
     again = directory.lookup_and_pin(key(0), 5.0)
     assert again is not None and (again.slot, again.generation) == (0, 1)
+    assert lease.epoch == epoch and again.epoch == new_epoch  # each pin says which epoch it was made in
     redis_server.restart()  # a pipeline of scripts Redis no longer has loads them first
     directory.reset()
     (pinned,) = directory.register_many([Registration(key(1), 1, 1, 3, pin_lease_s=5.0)])

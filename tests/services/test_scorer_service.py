@@ -108,6 +108,47 @@ def test_answers_equal_in_process_engine(served):
     assert scorer_metric(stack, 'kev_scorer_document_cache_lookups_total{result="hit"}') >= 1
 
 
+def test_a_cached_request_asks_redis_twice(served):
+    """A document the directory holds costs its request two Redis calls: the look-up, whose script
+    pins it and returns the epoch the scorer checks its bank by, and the release; no epoch read of
+    its own. Counted with MONITOR, scripts' own commands aside, against the services' background
+    reads (the bank's epoch checks) over as long with no request."""
+    stack, requests, want = served
+    client = directory(stack).client
+    seen, stop = [], threading.Event()
+
+    def record():
+        with client.monitor() as monitor:
+            while not stop.is_set():
+                c = monitor.next_command()
+                if c.get("client_type") != "lua":  # a script's own commands come from "lua"
+                    seen.append((time.monotonic(), c["command"].split()[0].upper()))
+
+    watcher = threading.Thread(target=record, daemon=True)
+    watcher.start()
+    with grpc.insecure_channel(stack.scorer_addr) as channel:
+        stub = scorer_pb2_grpc.ScorerStub(channel)
+        assert_same(score(stub, requests[0]), want[0])  # stored (again) if it was evicted
+        time.sleep(0.2)
+        start = time.monotonic()
+        for _ in range(20):
+            got = score(stub, requests[0])
+            assert got.usage.cached_state_tokens == got.usage.document_tokens
+        middle = time.monotonic()
+        time.sleep(middle - start)  # as long with no request
+        end = time.monotonic()
+    client.ping()  # one more command, so the watcher reads past the window and stops
+    stop.set()
+    watcher.join(5)
+
+    def count(command, t0, t1):
+        return sum(1 for t, c in seen if c == command and t0 <= t < t1)
+
+    busy_gets, idle_gets = count("GET", start, middle), count("GET", middle, end)
+    assert count("EVALSHA", start, middle) + count("EVAL", start, middle) == 2 * 20
+    assert busy_gets <= idle_gets + 2, (busy_gets, idle_gets)
+
+
 def test_scorers_map_the_banks_weights(served):
     """One copy of the weights (issue 28): the bank shares them, and each scorer process maps the
     bank's weights file and reads its parameters from it (the engine comparison above holds its own
