@@ -28,10 +28,6 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from kev.ops.attention import paged_prefix
-from kev.ops.conv import indexed_conv
-from kev.ops.delta_rule import indexed_scan, scan_output
-from kev.ops.fused import activations, norms
 
 H, HV, K, V, HQ, HKV, D, BS = 16, 32, 128, 128, 16, 4, 256, 64  # Kev-4B's heads
 N, L, S = 3, 70, 4  # sequences of 70 tokens (two delta-rule chunks), pool slots
@@ -52,6 +48,14 @@ class HopperDriver:
 
 def launchers() -> dict[str, tuple[list, Callable]]:
     """kernel name -> (its configs, launch(config)): each launch as serving makes it."""
+    # imported here, not at the top: the tests take their stand-in driver (`HopperDriver`) from
+    # this module, and importing it must not import the kernels (decorated at import, compiled or
+    # interpreted as the environment says then)
+    from kev.ops.attention import paged_prefix
+    from kev.ops.conv import indexed_conv
+    from kev.ops.delta_rule import indexed_scan, scan_output
+    from kev.ops.fused import activations, norms
+
     T, C = N * L, 2 * H * K + HV * V
     bf = dict(dtype=torch.bfloat16)
     cu = torch.arange(N + 1) * L
@@ -129,11 +133,12 @@ def survey(first_only: bool = False) -> list[dict]:
                       **resources(kernel.asm["cubin"])})
         return True  # nothing to launch it on
 
+    kernels = launchers()  # imports fla and the kernels first: fla probes the device at import
     previous = driver._active  # not reset_active(): with no GPU there is no default driver to make
     driver.set_active(HopperDriver())
     knobs.runtime.jit_cache_hook = compile_instead
     try:
-        for name, (configs, launch) in launchers().items():
+        for name, (configs, launch) in kernels.items():
             for config in configs[:1] if first_only else configs:
                 current = {"kernel": name, "config": "blocks from the shape" if config is None else str(config)}
                 launch(config)

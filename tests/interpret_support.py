@@ -15,7 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.kernel_resources import HopperDriver as FakeHopper  # noqa: F401 - the tests' stand-in driver (sm_90)
+
 MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan", "kev.ops.delta_rule.scan_output",
+           "kev.ops.delta_rule.chunk_steps",
            "kev.ops.attention.paged_prefix",
            "kev.ops.fused", "kev.ops.triton_ops", "kev.ops.gathered_ops")
 NAMES = dict(conv="kev.ops.conv.indexed_conv", scan="kev.ops.delta_rule.indexed_scan",
@@ -100,21 +103,6 @@ def compiled_kernels():
             yield _import_all()
         finally:
             swap_modules(prefixes, saved)
-
-
-class FakeHopper:
-    """A driver stand-in: the real JIT front end computes compile keys for sm_90, nothing compiles."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
 
 
 def poison_empty(monkeypatch):

@@ -34,6 +34,7 @@ from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
+from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
 from kev.ops.delta_rule.scan_output import indexed_scan_output
 from kev.ops.utils import preserve_written_slots, shape_class
 
@@ -153,10 +154,8 @@ def indexed_scan_fwd_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
 
-    b_read = tl.load(read_slots + i_n).to(tl.int64)
-    p_h0 = state_pool + tl.maximum(b_read, 0) * stride_s_s + i_h * stride_s_h \
-        + o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v
-    b_h = tl.load(p_h0, mask=m_kv & (b_read >= 0), other=0.0).to(tl.float32)  # [BK, BV]
+    b_h = slot_state(state_pool, read_slots, i_n, i_h, o_k, o_v, m_kv,
+                     stride_s_s, stride_s_h, stride_s_k, stride_s_v)  # [BK, BV]
 
     p_k = k + bos * stride_k_t + (i_h // (HV // H)) * K  # value head i_h reads key head i_h // (HV / H)
     p_w = w + bos * stride_w_t + i_h * K
@@ -169,29 +168,16 @@ def indexed_scan_fwd_kernel(
         p_h = h + ((boh + i_t) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
 
-        b_w = tl.load(p_w + o_t[:, None] * stride_w_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        # [BT, BK] @ [BK, BV] -> [BT, BV]
-        b_v = tl.dot(b_w, b_h.to(b_w.dtype))
-        b_u = tl.load(p_u + o_t[:, None] * stride_u_t + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_v = b_u.to(tl.float32) - b_v
+        b_v = corrected_values(b_h.to(k.dtype.element_ty), p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v,
+                               stride_w_t, stride_u_t)
         tl.store(p_vn + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
-
-        last = tl.minimum((i_t + 1) * BT, L) - 1
-        b_g_last = tl.load(p_g + last * stride_g_t).to(tl.float32)
         b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
-        b_v = b_v * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
-        b_h = b_h * tl.exp2(b_g_last)
-
         b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-        # [BK, BT] @ [BT, BV] -> [BK, BV]
-        b_h = tl.dot(b_k, b_v.to(b_k.dtype), b_h)
+        b_h = next_state(b_h, b_k, b_v, b_g, p_g, stride_g_t, i_t, L, m_t, BT)
 
-    tl.debug_barrier()  # the start state is fully read before the (maybe same) slot is written
-    b_write = tl.load(write_slots + i_n).to(tl.int64)
-    p_ht = out_pool + tl.maximum(b_write, 0) * stride_o_s + i_h * stride_o_h \
-        + o_k[:, None] * stride_o_k + o_v[None, :] * stride_o_v
-    tl.store(p_ht, b_h.to(out_pool.dtype.element_ty), mask=m_kv & (b_write >= 0))
+    write_slot_state(b_h, out_pool, write_slots, i_n, i_h, o_k, o_v, m_kv,
+                     stride_o_s, stride_o_h, stride_o_k, stride_o_v)
 
 
 _save, _restore = preserve_written_slots("out_pool", "write_slots")

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
 from kev.ops.utils import preserve_written_slots, shape_class
 
 CHUNK = 64  # the chunk of fla's WY pieces that produce w and u
@@ -75,11 +76,9 @@ def indexed_scan_output_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     o_c = tl.arange(0, BT)  # position within the chunk
 
-    b_read = tl.load(read_slots + i_n).to(tl.int64)
     b_write = tl.load(write_slots + i_n).to(tl.int64)
-    p_h0 = state_pool + tl.maximum(b_read, 0) * stride_s_s + i_h * stride_s_h \
-        + o_k[:, None] * stride_s_k + o_v[None, :] * stride_s_v
-    b_h = tl.load(p_h0, mask=m_kv & (b_read >= 0), other=0.0).to(tl.float32)  # [BK, BV]
+    b_h = slot_state(state_pool, read_slots, i_n, i_h, o_k, o_v, m_kv,
+                     stride_s_s, stride_s_h, stride_s_k, stride_s_v)  # [BK, BV]
 
     i_kh = i_h // (HV // H)  # value head i_h reads key head i_h // (HV / H)
     p_q = q + bos * stride_q_t + i_kh * K
@@ -91,19 +90,12 @@ def indexed_scan_output_kernel(
     for i_t in range(NT):  # no .to() on i_t: the interpreter's range yields Python ints
         o_t = i_t * BT + o_c
         m_t = o_t < L
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
         b_hc = b_h.to(k.dtype.element_ty)  # the chunk-start state as the split path stores it
-
-        b_w = tl.load(p_w + o_t[:, None] * stride_w_t + o_k[None, :], mask=m_tk, other=0.0)
-        # [BT, BK] @ [BK, BV] -> [BT, BV]
-        b_v = tl.dot(b_w, b_hc)
-        b_u = tl.load(p_u + o_t[:, None] * stride_u_t + o_v[None, :], mask=m_tv, other=0.0)
-        b_v = b_u.to(tl.float32) - b_v  # V' in fp32
+        b_v = corrected_values(b_hc, p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v, stride_w_t, stride_u_t)
         b_vc = b_v.to(u.dtype.element_ty)  # as the split path stores it
 
         b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
-        b_q = tl.load(p_q + o_t[:, None] * stride_q_t + o_k[None, :], mask=m_tk, other=0.0)
+        b_q = tl.load(p_q + o_t[:, None] * stride_q_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         # [BT, BK] @ [BK, BV] -> [BT, BV]
         b_o = tl.dot(b_q, b_hc) * tl.exp2(b_g)[:, None]
@@ -112,21 +104,15 @@ def indexed_scan_output_kernel(
         b_A = tl.where((o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :], b_A, 0.0)
         # [BT, BT] @ [BT, BV] -> [BT, BV]
         b_o = b_o * scale + tl.dot(b_A.to(b_vc.dtype), b_vc) * scale
-        tl.store(p_o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        tl.store(p_o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
 
         # the update; a sequence's last chunk needs it only when its final state is written
         if (i_t + 1 < NT) | (b_write >= 0):
-            last = tl.minimum((i_t + 1) * BT, L) - 1
-            b_g_last = tl.load(p_g + last * stride_g_t).to(tl.float32)
-            b_v = b_v * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
-            b_h = b_h * tl.exp2(b_g_last)
-            # [BK, BT] @ [BT, BV] -> [BK, BV]
-            b_h = tl.dot(b_k, b_v.to(b_k.dtype), b_h)
+            b_h = next_state(b_h, b_k, b_v, b_g, p_g, stride_g_t, i_t, L, m_t, BT)
 
-    tl.debug_barrier()  # the start state is fully read before the (maybe same) slot is written
-    p_ht = out_pool + tl.maximum(b_write, 0) * stride_o_s + i_h * stride_o_h \
-        + o_k[:, None] * stride_o_k + o_v[None, :] * stride_o_v
-    tl.store(p_ht, b_h.to(out_pool.dtype.element_ty), mask=m_kv & (b_write >= 0))
+    write_slot_state(b_h, out_pool, write_slots, i_n, i_h, o_k, o_v, m_kv,
+                     stride_o_s, stride_o_h, stride_o_k, stride_o_v)
 
 
 _save, _restore = preserve_written_slots("out_pool", "write_slots")
