@@ -1,7 +1,9 @@
 """A request's host-side preparation (`validate_and_build`: questions checked and encoded, the
 document rendered and tokenized) per load workload: the requests' first pass from an empty cache,
 and the same requests again with and without the scorer's tokenized-document cache
-(kev/request/doc_cache.py). Host only, any machine; one thread, so the figures are one core's.
+(kev/request/doc_cache.py), and without it with every document tokenized whole instead of in
+pieces side by side (kev/request/pieces.py; `pieces_over_whole`). Host only, any machine; one
+request thread (the tokenizer's own pool runs a document's pieces on the machine's cores).
 
     python -m bench.prepare [--out bench/results/prepare.json] [--checkpoint DIR]
 
@@ -47,6 +49,9 @@ def measure(checkpoint: str, n_requests: int, reps: int) -> dict:
         requests = [stream.next().request for _ in range(n_requests)]
         builder.documents = None
         uncached = per_request_ms(builder, requests, reps)
+        pieces, builder.piece_chars = builder.piece_chars, 0  # side by side: every document tokenized whole
+        whole = per_request_ms(builder, requests, reps)
+        builder.piece_chars = pieces
         builder.documents = DocumentCache(1 << 24)
         start = time.perf_counter()
         for r in requests:  # the first pass, from an empty cache (a workload's own repeats hit it)
@@ -55,9 +60,11 @@ def measure(checkpoint: str, n_requests: int, reps: int) -> dict:
         cached = per_request_ms(builder, requests, reps)
         out[name] = {"requests": n_requests, "first_pass_ms": round(first, 4), "repeat_no_cache_ms": round(uncached, 4),
                      "repeat_cached_ms": round(cached, 4), "cached_over_uncached": round(cached / uncached, 3),
+                     "repeat_whole_document_ms": round(whole, 4), "pieces_over_whole": round(uncached / whole, 3),
                      "doc_tokens_mean": round(statistics.mean(len(validate_and_build(r, builder).document_ids)
                                                               for r in requests), 1)}
-        print(f"{name}: repeat {uncached:.3f} ms -> {cached:.3f} ms with the cache (first pass {first:.3f} ms)")
+        print(f"{name}: repeat {uncached:.3f} ms (document whole: {whole:.3f} ms) -> {cached:.3f} ms with the cache "
+              f"(first pass {first:.3f} ms)")
     builder.documents = None
     return out
 

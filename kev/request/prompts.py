@@ -62,11 +62,13 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from itertools import chain
 
 from tokenizers import Tokenizer
 
 from kev.request.api import Choice, JsonDocument, Question, QuestionType, ScoreRequest
 from kev.request.doc_cache import DocumentCache
+from kev.request.pieces import PIECE_CHARS, splits_between_words, word_pieces
 from kev.model.config import CheckpointError
 from kev.request.errors import DocumentTooLong, InvalidRequest, RowTooLong, question_field
 
@@ -284,6 +286,9 @@ class PromptBuilder:
         self.ids = delimiters.resolve(tokenizer)
         self._reserved = self.ids.all
         self._plain = _plain_text_tokenizer(tokenizer, delimiters)
+        # A long document goes to the tokenizer in pieces, tokenized side by side, where that gives
+        # the whole text's ids (kev/request/pieces.py); 0: always whole.
+        self.piece_chars = PIECE_CHARS if splits_between_words(self._plain) else 0
         self.unknown_id = _unknown_token_id(tokenizer)  # None: the tokenizer has no unknown token
         self.documents: DocumentCache | None = None  # set: repeated documents are not tokenized again
 
@@ -310,14 +315,18 @@ class PromptBuilder:
 
     def _encode_with_document(self, texts: list[str], fields: list[str], document: str
                               ) -> tuple[list[list[int]], list[int], bool]:
-        """`encode_text` of `texts` and of `document` in one tokenizer call, the document's ids
+        """`encode_text` of `texts` and of `document` (a long one in pieces, tokenized side by side:
+        kev/request/pieces.py) in one tokenizer call, the document's ids
         from `documents` when it was seen lately (then only `texts` are encoded; the flag says so)."""
         cache = self.documents
         key = cache.key(document) if cache is not None else None
         doc_ids = cache.get(key) if cache is not None else None
         if doc_ids is not None:
             return (self.encode_text(texts, fields) if texts else []), doc_ids, True
-        *ids, doc_ids = self.encode_text([*texts, document], [*fields, "document"])
+        pieces = word_pieces(document, self.piece_chars) if self.piece_chars else [document]
+        ids = self.encode_text([*texts, *pieces], [*fields, *["document"] * len(pieces)])
+        ids, doc_parts = ids[: len(texts)], ids[len(texts):]
+        doc_ids = doc_parts[0] if len(doc_parts) == 1 else list(chain.from_iterable(doc_parts))
         if cache is not None:
             cache.put(key, doc_ids)
         return ids, doc_ids, False
