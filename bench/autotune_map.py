@@ -34,6 +34,7 @@ import torch
 from bench.common import kev4b_config, run_info, write_json
 from kev.ops.shapes import CLASS_SHAPES, ClassShape, ShapeClass
 from kev.ops.autotune import ClassTuner, graph_bench, hot_autotuners
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 
@@ -79,9 +80,9 @@ class Layer:
         hk = H * K
         q, k = y[:, :hk].unflatten(1, (H, K)), y[:, hk:2 * hk].unflatten(1, (H, K))
         v = y[:, 2 * hk:].unflatten(1, (HV, V))
-        g = -torch.rand(T, HV, **dev) * 0.5
-        beta = torch.rand(T, HV, **dev).bfloat16()
-        ops.gated_delta_rule(q, k, v, g, beta, meta, self.state)
+        ab = torch.randn(T, 2 * HV, **dev).bfloat16()  # the a and b projections, as the model's columns
+        gates = DeltaGates(ab[:, :HV], ab[:, HV:], torch.randn(HV, **dev), torch.randn(HV, **dev))
+        ops.gated_delta_rule(q, k, v, gates, meta, self.state)
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         aq = torch.randn(T, Hq, D, **dev).bfloat16()
         ak, av = (torch.randn(T, Hkv, D, **dev).bfloat16() for _ in range(2))

@@ -30,12 +30,12 @@ from bench.common import capture, cuda_ms, kev4b_config, run_info, write_json
 from kev.ops.autotune import hot_autotuners
 from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-from fla.ops.utils.constant import RCP_LN2
-from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.delta_rule import scan_output
-from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule, indexed_scan, l2norm_heads
+from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule, indexed_scan
+from kev.ops.delta_rule.prep import delta_rule_inputs
+from kev.ops.gates import DeltaGates
 from kev.ops.shapes import CLASS_SHAPES, classify
 
 DEVICE = "cuda"
@@ -72,7 +72,8 @@ def inputs(cfg, kind: str, seqs: int, tokens: int, gen) -> dict:
 
 
 def run(x: dict, pool: torch.Tensor, output_in_scan: bool, config=None) -> torch.Tensor:
-    return indexed_chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], cu_seqlens=x["cu"],
+    return indexed_chunk_gated_delta_rule(q=x["q"], k=x["k"], v=x["v"], gates=DeltaGates.given(x["g"], x["beta"]),
+                                          cu_seqlens=x["cu"],
                                           state_pool=pool, read_slots=x["read"], write_slots=x["write"],
                                           output_in_scan=output_in_scan, scan_config=config)
 
@@ -91,10 +92,10 @@ def parts_us(x: dict) -> dict:
     """The part that differs alone, from the same w, u and g: the state kernel then fla's
     `chunk_fwd_o` (split), against the state kernel that forms the output (fused)."""
     cu = x["cu"]
-    q, k = l2norm_heads(x["q"]), l2norm_heads(x["k"])
     chunks, offsets = prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK)
-    g = chunk_local_cumsum(g=x["g"][None], chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=chunks)
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=x["v"].contiguous()[None], g=g, beta=x["beta"][None],
+    q, k, g, beta = delta_rule_inputs(x["q"], x["k"], DeltaGates.given(x["g"], x["beta"]), cu, chunks)
+    g = g[None]
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=x["v"].contiguous()[None], g=g, beta=beta[None],
                                                cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=chunks)
     w, u, g = w[0], u[0], g[0]
     HV, K, V = w.shape[1], w.shape[2], u.shape[2]

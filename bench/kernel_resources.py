@@ -53,8 +53,9 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     # interpreted as the environment says then)
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan, scan_output
+    from kev.ops.delta_rule import indexed_scan, prep, scan_output
     from kev.ops.fused import activations, norms
+    from kev.ops.gates import DeltaGates
 
     T, C = N * L, 2 * H * K + HV * V
     bf = dict(dtype=torch.bfloat16)
@@ -82,7 +83,7 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     x2, h2, wn = torch.randn(T, hidden, **bf), torch.randn(T, hidden, **bf), torch.randn(hidden, **bf)
     cos, sin = torch.randn(T, rope, **bf), torch.randn(T, rope, **bf)
     gate_up = torch.randn(T, 2 * mlp, **bf)
-    a, b = torch.randn(T, HV, **bf), torch.randn(T, HV, **bf)
+    qk, ab = torch.randn(T, 2 * H, K, **bf), torch.randn(T, 2 * HV + 64, **bf)  # (the projection's other columns)
     one = [None]  # the fused kernels pick their blocks from the shape: nothing to tune
     return {
         "rms_norm": (one, lambda c: norms.rms_norm(x2, wn, 1e-6)),
@@ -92,12 +93,11 @@ def launchers() -> dict[str, tuple[list, Callable]]:
                                                                  torch.randn(V, **bf), 1e-6)),
         "silu_mul": (one, lambda c: activations.silu_mul(gate_up[:, :mlp], gate_up[:, mlp:])),
         "sigmoid_mul": (one, lambda c: activations.sigmoid_mul(qa, torch.randn(T, HQ, D, **bf))),
-        "delta_gates": (one, lambda c: activations.delta_gates(a, b, torch.randn(HV), torch.randn(HV))),
         "indexed_conv": (indexed_conv.CONV_CONFIGS, lambda c: indexed_conv.indexed_causal_conv(
             x=x, weight=weight, cu_seqlens=cu, conv_pool=conv_pool, read_slots=read, write_slots=write,
             chunk_indices=chunks, split=2 * H * K, config=c)),
-        "l2norm_heads": (indexed_scan.L2NORM_CONFIGS, lambda c: indexed_scan.l2norm_heads(
-            torch.randn(T, 2 * H, K, **bf), blocks=2, config=c)),
+        "delta_rule_prep": (one, lambda c: prep.delta_rule_inputs(  # q, k column views of the conv's block
+            qk[:, :H], qk[:, H:], DeltaGates(ab[:, :HV], ab[:, HV:2 * HV], torch.randn(HV), torch.randn(HV)), cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
         "indexed_scan_output": (scan_output.SCAN_OUTPUT_CONFIGS, lambda c: scan_output.indexed_scan_output(

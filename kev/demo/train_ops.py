@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from kev.ops.utils import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps, l2_normalize
 
@@ -133,8 +134,9 @@ class SweepTrainOps(TorchOps):
         yr = F.silu(F.conv1d(xr, w, groups=C)).transpose(1, 2)  # [Nr, Lr, C]
         return channel_blocks(lay.merge(lay.docs.unpad(yd), lay.rows.unpad(yr)), split, out)
 
-    def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         lay = self._layout(meta, v.device)
+        g, beta = gates.values()
         HV, K, V = v.shape[1], q.shape[2], v.shape[2]
         group = HV // q.shape[1]
         q = l2_normalize(q.float()).repeat_interleave(group, dim=1) * K**-0.5

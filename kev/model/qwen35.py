@@ -27,7 +27,7 @@ from torch import nn
 from kev.bank.layout import StatePools
 from kev.model.config import LayerType, ModelConfig
 from kev.ops.invariant import tiled_linear
-from kev.ops import Ops, PassMeta
+from kev.ops import DeltaGates, Ops, PassMeta
 from kev.ops.meta import PhasedMeta, as_phases
 from kev.ops.fused import reference
 from kev.ops.fused.reference import apply_rope, rms_norm  # noqa: F401  (the model's maths, kept importable here)
@@ -190,7 +190,7 @@ class GatedDeltaNet(nn.Module):
             mixed, z, b, a = self.fused(x)  # column views of one [T, conv_dim + value_dim + 2 HV] buffer
         else:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        g, beta = ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, HV] fp32 log decay, [T, HV]
+        gates = DeltaGates(a, b, self.A_log, self.dt_bias)  # formed by the delta rule (kev/ops/gates.py)
         z = z.unflatten(1, (HV, V))
 
         def conv(meta, mixed, out=None):  # q,k [t, 2 kd] and v [t, value_dim]
@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
 
         def delta_rule(meta, qk, v):  # the delta rule and the output norm over all T tokens
             q, k = qk[:, :kd].unflatten(1, (H, K)), qk[:, kd:].unflatten(1, (H, K))
-            o = ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), g, beta, meta, recurrent_pool)  # [T, HV, V]
+            o = ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), gates, meta, recurrent_pool)  # [T, HV, V]
             return ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
 
         if joined is None:  # one phase

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import HostMeta, PassMeta
 
 
@@ -36,8 +37,7 @@ class Ops(Protocol):
         q: torch.Tensor,  # [T, H, K] raw (normalised and scaled inside)
         k: torch.Tensor,  # [T, H, K] raw (normalised inside)
         v: torch.Tensor,  # [T, HV, V]
-        g: torch.Tensor,  # [T, HV] fp32 log decay
-        beta: torch.Tensor,  # [T, HV]
+        gates: DeltaGates,  # [T, HV]: the a, b projections (formed inside: kev/ops/gates.py) or given
         meta: PassMeta,  # may be a `PhasedMeta.joined`: its phases' state passes run in order
         state_pool: torch.Tensor,  # [S, HV, K, V] fp32
     ) -> torch.Tensor:  # [T, HV, V]
@@ -120,15 +120,6 @@ class Ops(Protocol):
     ) -> torch.Tensor:  # [T, Hq, D] x * sigmoid(gate) (`out` when given)
         ...
 
-    def delta_gates(
-        self,
-        a: torch.Tensor,  # [T, HV] in_proj_a output (may be a column view)
-        b: torch.Tensor,  # [T, HV] in_proj_b output (may be a column view)
-        A_log: torch.Tensor,  # [HV]
-        dt_bias: torch.Tensor,  # [HV]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (g [T, HV] fp32 log decay, beta [T, HV] in b's dtype)
-        ...
-
 
 def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None) -> Ops:
     """`torch` (reference, any device), `triton` (GPU kernels reading the bank in place) or
@@ -149,4 +140,4 @@ def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None) -> Ops:
     raise ValueError(f"unknown ops backend {backend!r} (expected 'torch', 'triton' or 'gathered')")
 
 
-__all__ = ["Ops", "PassMeta", "HostMeta", "get_ops"]
+__all__ = ["Ops", "PassMeta", "HostMeta", "DeltaGates", "get_ops"]

@@ -62,7 +62,6 @@ def hot_autotuners() -> dict[str, Autotuner]:
     from fla.ops.common.chunk_o import chunk_fwd_kernel_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd_kernel
-    from fla.ops.utils.cumsum import chunk_local_cumsum_scalar_kernel
 
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
@@ -70,8 +69,6 @@ def hot_autotuners() -> dict[str, Autotuner]:
 
     kernels = {
         "indexed_conv": indexed_conv._tuned_conv_kernel,
-        "l2norm_heads": indexed_scan._tuned_l2norm,
-        "chunk_local_cumsum": chunk_local_cumsum_scalar_kernel,
         "kkt_solve": chunk_gated_delta_rule_fwd_kkt_solve_kernel,
         "recompute_w_u": recompute_w_u_fwd_kernel,
         "indexed_scan": indexed_scan._tuned_scan_kernel,

@@ -30,6 +30,7 @@ import torch
 from kev.ops.attention.paged_prefix import paged_prefix_attention, query_block
 from kev.ops.conv.indexed_conv import indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.shapes import ShapeClass
 from kev.ops.triton_ops import OUTPUT_IN_SCAN, TritonOps, split_attention
@@ -128,7 +129,7 @@ class GatheredOps(TritonOps):
                                    read_slots=plan.row_slots, write_slots=meta.write_slots, out_pool=conv_pool,
                                    chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
-    def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         plan, idx = self.plan(meta), self.prepare(meta)
         buffer = self.buffer("recurrent", meta.num_seqs, state_pool)
 
@@ -137,7 +138,7 @@ class GatheredOps(TritonOps):
             torch.index_select(state_pool, 0, plan.rows[n0:n1], out=buffer[n0:n1])
             return buffer, plan.row_slots[n0:n1]
 
-        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
+        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, out_pool=state_pool,
                                               chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets,

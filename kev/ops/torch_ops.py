@@ -13,6 +13,7 @@ from kev.ops.utils import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
 from kev.ops.fused.reference import ReferenceElementwise
 from kev.ops.attention.naive import paged_attention_reference, store_own
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -40,8 +41,9 @@ class TorchOps(ReferenceElementwise):
                 conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
         return channel_blocks(y, split, out)
 
-    def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         HV, K = v.shape[1], q.shape[2]
+        g, beta = gates.values()
         group = HV // q.shape[1]
         q = l2_normalize(q.float()).repeat_interleave(group, dim=1) * K**-0.5
         k = l2_normalize(k.float()).repeat_interleave(group, dim=1)

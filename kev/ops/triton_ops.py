@@ -30,6 +30,7 @@ from kev.ops.attention.paged_prefix import paged_prefix_attention, paged_store, 
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
 from kev.ops.fused import activations, norms
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.shapes import ShapeClass
 
@@ -72,7 +73,6 @@ class TritonOps:
     gated_rms_norm = staticmethod(norms.gated_rms_norm)
     silu_mul = staticmethod(activations.silu_mul)
     sigmoid_mul = staticmethod(activations.sigmoid_mul)
-    delta_gates = staticmethod(activations.delta_gates)
 
     def __init__(self, output_in_scan: frozenset[ShapeClass] = OUTPUT_IN_SCAN) -> None:
         self.output_in_scan = frozenset(output_in_scan)
@@ -98,9 +98,9 @@ class TritonOps:
                                    read_slots=meta.read_slots, write_slots=meta.write_slots,
                                    chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
-    def gated_delta_rule(self, q, k, v, g, beta, meta: PassMeta, state_pool):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         idx = self.prepare(meta)
-        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=meta.cu_seqlens,
+        return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, chunk_indices=idx.chunks,
                                               chunk_offsets=idx.chunk_offsets, phases=meta.phases,

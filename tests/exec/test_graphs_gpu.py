@@ -27,6 +27,7 @@ from kev.exec.graphs import CapturePolicy, GraphCache, KeyLadder
 from kev.ops.shapes import ShapeClass
 from kev.ops.autotune import ClassTuner, graph_bench
 from kev.exec.warm_up import warm_up
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.triton_ops import TritonOps
 from kev.exec.batch import RowBatch
@@ -104,7 +105,7 @@ def layer_inputs(T, C, H, HV, K, V, Hq, Hkv, D, g):
 
 def run_ops(ops, inp, meta, pools, weight):
     conv = ops.causal_conv(inp["x"], weight, meta, pools.conv[0])
-    o = ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], meta, pools.recurrent[0])
+    o = ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], DeltaGates.given(inp["g"], inp["beta"]), meta, pools.recurrent[0])
     a = ops.attention(inp["aq"], inp["ak"], inp["av"], meta, pools.keys[0], pools.values[0])
     return conv, o, a
 

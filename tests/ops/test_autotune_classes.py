@@ -180,7 +180,7 @@ def fla_tuner(monkeypatch):
 
 def test_hot_autotuners_cover_the_triton_path(fla_tuner):
     tuner, hot = fla_tuner
-    assert set(hot) == {"indexed_conv", "l2norm_heads", "chunk_local_cumsum", "kkt_solve", "recompute_w_u",
+    assert set(hot) == {"indexed_conv", "kkt_solve", "recompute_w_u",
                         "indexed_scan", "indexed_scan_output", "chunk_fwd_o", "paged_prefix_attention", "paged_prefix_span",
                         "paged_prefix_finish"}
     assert all(isinstance(at, Autotuner) for at in hot.values())
@@ -193,10 +193,8 @@ def test_hot_autotuners_cover_the_triton_path(fla_tuner):
 
 def test_fla_autotuner_fills_the_class_cache(fla_tuner, monkeypatch):
     """fla's CachedAutotuner, called through its public wrapper, tunes into the active class only."""
-    from fla.ops.utils.cumsum import chunk_local_cumsum
-
     tuner, hot = fla_tuner
-    at = hot["chunk_local_cumsum"]
+    at = hot["recompute_w_u"]
     launched = []
 
     class Launch:
@@ -206,16 +204,24 @@ def test_fla_autotuner_fills_the_class_cache(fla_tuner, monkeypatch):
     monkeypatch.setattr(at, "fn", Launch())
     # `do_bench` is a cached property: set the instance's value (getattr would ask for a GPU driver)
     monkeypatch.setitem(at.__dict__, "do_bench", lambda kernel_call, quantiles: (kernel_call(), [launched[-1]] * 3)[1])
-    g = torch.zeros(1, 96, 4)
-    cu = torch.arange(4) * 32
-    chunks = torch.stack([torch.arange(3), torch.zeros(3, dtype=torch.int64)], 1)
     default = dict(at.cache)
     with tuner.use(ShapeClass.ROWS_MID):
-        chunk_local_cumsum(g=g, chunk_size=64, cu_seqlens=cu, chunk_indices=chunks)
-    assert len(tuner.caches(ShapeClass.ROWS_MID)["chunk_local_cumsum"]) == 1
-    assert launched[-1] == 1  # the fake timing = num_warps: the fewest warps win
+        recompute_w_u()
+    assert len(tuner.caches(ShapeClass.ROWS_MID)["recompute_w_u"]) == 1
+    assert launched[-1] == min(c.num_warps for c in at.configs)  # the fake timing = num_warps: the fewest win
     assert dict(at.cache) == default
-    assert len(tuner.caches(ShapeClass.ROWS_FEW)["chunk_local_cumsum"]) == 0
+    assert len(tuner.caches(ShapeClass.ROWS_FEW)["recompute_w_u"]) == 0
+
+
+def recompute_w_u():
+    """fla's public wrapper of its WY recompute on three 32-token sequences (the kernel stubbed)."""
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    T, H, K = 96, 2, 16
+    cu = torch.arange(4) * 32
+    chunks = torch.stack([torch.arange(3), torch.zeros(3, dtype=torch.int64)], 1)
+    recompute_w_u_fwd(torch.zeros(1, T, H, K), torch.zeros(1, T, H, K), torch.zeros(1, T, H), torch.zeros(1, T, H, 64),
+                      torch.zeros(1, T, H), cu_seqlens=cu, chunk_indices=chunks)
 
 
 class RecordingTuner:
@@ -425,10 +431,8 @@ def test_tuning_is_repeatable(stub3):
 def test_fla_autotuner_tunes_over_the_class_shapes(fla_tuner, monkeypatch):
     """fla's CachedAutotuner leaves its timings where `tune` reads them: shape A's time is the
     config's num_warps, shape B's 16 / num_warps; the least total is 4 warps (8 vs 10 or more)."""
-    from fla.ops.utils.cumsum import chunk_local_cumsum
-
     tuner, hot = fla_tuner
-    at = hot["chunk_local_cumsum"]
+    at = hot["recompute_w_u"]
     launched, shape = [], {}
 
     class Launch:
@@ -444,20 +448,16 @@ def test_fla_autotuner_tunes_over_the_class_shapes(fla_tuner, monkeypatch):
     monkeypatch.setitem(at.__dict__, "do_bench", bench)
     warps = sorted({c.num_warps for c in at.configs})
     assert warps[0] < 4 < warps[-1], warps
-    g = torch.zeros(1, 96, 4)
-    cu = torch.arange(4) * 32
-    chunks = torch.stack([torch.arange(3), torch.zeros(3, dtype=torch.int64)], 1)
-
     def run(a):
         def go():
             shape["a"] = a
-            chunk_local_cumsum(g=g, chunk_size=64, cu_seqlens=cu, chunk_indices=chunks)
+            recompute_w_u()
         return go
 
     default = dict(at.cache)
     pinned = tuner.tune(ShapeClass.ROWS_MID, [run(True), run(False)])
-    assert [c.num_warps for c in pinned["chunk_local_cumsum"].values()] == [4]
-    assert [c.num_warps for c in tuner.caches(ShapeClass.ROWS_MID)["chunk_local_cumsum"].values()] == [4]
+    assert [c.num_warps for c in pinned["recompute_w_u"].values()] == [4]
+    assert [c.num_warps for c in tuner.caches(ShapeClass.ROWS_MID)["recompute_w_u"].values()] == [4]
     assert dict(at.cache) == default
 
 

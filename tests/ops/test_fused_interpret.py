@@ -28,8 +28,6 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2}
 EPS = 1e-6
 
 
-
-
 def columns(g, T, widths, dtype, scale=1.0):
     """Column views of one [T, sum(widths) + 5] buffer (a fused projection's output), after 3 pad columns."""
     buf = (torch.randn(T, sum(widths) + 5, generator=g) * scale).to(dtype)
@@ -83,7 +81,7 @@ def test_norms_match_reference(interp, poisoned, T, dtype):
 @pytest.mark.parametrize("T", T_CASES, ids=lambda t: f"T={t}")
 def test_activations_match_reference(interp, poisoned, T, dtype):
     g = torch.Generator().manual_seed(100 + T)
-    F, H, D, HV = 1100, 3, 40, 6  # F crosses a column block
+    F, H, D = 1100, 3, 40  # F crosses a column block
     gate, up = columns(g, T, [F, F], dtype, scale=3.0)
     check("silu_mul", reference.silu_mul(gate, up), interp.activations.silu_mul(gate, up), dtype)
 
@@ -92,27 +90,17 @@ def test_activations_match_reference(interp, poisoned, T, dtype):
     gate_h = qg.unflatten(1, (H, 2 * D))[..., D:]
     check("sigmoid_mul", reference.sigmoid_mul(o, gate_h), interp.activations.sigmoid_mul(o, gate_h), dtype)
 
-    b, a = columns(g, T, [HV, HV], dtype, scale=3.0)
-    a = a * 10  # both softplus branches (> 20 and tiny exp(x)) are hit
-    A_log, dt_bias = (torch.randn(HV, generator=g).to(dtype) for _ in range(2))
-    g_out, beta = interp.activations.delta_gates(a, b, A_log, dt_bias)
-    g_ref, beta_ref = reference.delta_gates(a, b, A_log, dt_bias)
-    assert g_out.dtype == torch.float32 and beta.dtype == dtype
-    check("delta_gates g", g_ref, g_out, torch.float32)
-    check("delta_gates beta", beta_ref, beta, dtype)
-
 
 def test_packed_views_bit_identical(interp):
     """Every fused kernel gives the same bits on packed column views as on contiguous copies."""
     g = torch.Generator().manual_seed(7)
-    T, H, D, F, HV = 70, 2, 32, 96, 4
+    T, H, D, F = 70, 2, 32, 96
     w = torch.randn(D, generator=g) * 0.3
     x, h = columns(g, T, [D, D], torch.float32)
     (qg,) = columns(g, T, [H * 2 * D], torch.float32)
     q, gate = qg.unflatten(1, (H, 2 * D))[..., :D], qg.unflatten(1, (H, 2 * D))[..., D:]
     cos, sin = torch.randn(T, 8, generator=g), torch.randn(T, 8, generator=g)
     up, gp = columns(g, T, [F, F], torch.float32)
-    b, a = columns(g, T, [HV, HV], torch.float32)
     o = torch.randn(T, H, D, generator=g)
     n, act = interp.norms, interp.activations
     c = torch.Tensor.contiguous
@@ -123,7 +111,6 @@ def test_packed_views_bit_identical(interp):
         (n.gated_rms_norm(o, q, w, EPS), n.gated_rms_norm(o, c(q), w, EPS)),
         (act.silu_mul(gp, up), act.silu_mul(c(gp), c(up))),
         (act.sigmoid_mul(o, gate), act.sigmoid_mul(o, c(gate))),
-        (act.delta_gates(a, b, w[:HV], w[HV:2 * HV]), act.delta_gates(c(a), c(b), w[:HV], w[HV:2 * HV])),
     ]
     for i, (packed, copied) in enumerate(pairs):
         packed = packed if isinstance(packed, tuple) else (packed,)
@@ -159,7 +146,6 @@ def test_empty_and_bad_shapes(interp):
     w = torch.ones(8)
     assert n.rms_norm(torch.zeros(0, 8), w, EPS).shape == (0, 8)
     assert act.silu_mul(torch.zeros(0, 8), torch.zeros(0, 8)).shape == (0, 8)
-    assert act.delta_gates(torch.zeros(0, 4), torch.zeros(0, 4), w[:4], w[:4])[0].shape == (0, 4)
     with pytest.raises(ValueError, match=r"D=9\], got \(8,\)"):
         n.rms_norm(torch.zeros(5, 9), w, EPS)
     with pytest.raises(ValueError, match="unit stride"):
@@ -258,7 +244,7 @@ def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
 
     n, act = compiled_modules.norms, compiled_modules.activations
     kernels = [n.rms_norm_fwd_kernel, n.gated_rms_norm_fwd_kernel, act.silu_mul_fwd_kernel,
-               act.sigmoid_mul_fwd_kernel, act.delta_gates_fwd_kernel]
+               act.sigmoid_mul_fwd_kernel]
     for kern in kernels:
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
     monkeypatch.setattr(driver, "_active", FakeHopper())
@@ -281,9 +267,7 @@ def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
         gu = torch.randn(T, 2 * F)
         act.silu_mul(gu[:, :F], gu[:, F:])
         act.sigmoid_mul(torch.randn(T, H, D), qg[..., D:])
-        ab = torch.randn(T, 2 * HV)
-        act.delta_gates(ab[:, :HV], ab[:, HV:], torch.randn(HV), torch.randn(HV))
     counts = {name: len(k) for name, k in keys.items()}
     # rms_norm_fwd_kernel: plain, residual and RoPE variants (constexpr flags); one key each
     assert counts == {"rms_norm_fwd_kernel": 3, "gated_rms_norm_fwd_kernel": 1, "silu_mul_fwd_kernel": 1,
-                      "sigmoid_mul_fwd_kernel": 1, "delta_gates_fwd_kernel": 1}, counts
+                      "sigmoid_mul_fwd_kernel": 1}, counts

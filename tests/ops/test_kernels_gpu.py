@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kernel_support import make_pools, packed, rel_err, row_pass, state_pass
+from kev.ops.gates import DeltaGates
 from kev.ops.gathered_ops import GatheredOps
 from kev.ops.shapes import ShapeClass
 from kev.ops.torch_ops import TorchOps
@@ -156,16 +157,12 @@ def test_every_autotune_config_bit_identical(ratio):
                                              read_slots=x["read"], write_slots=x["write"], config=cfg)
         return y, pool
 
-    def l2(cfg):
-        qk = indexed_scan.l2norm_heads(x["qkv"][:, :2 * hk].unflatten(1, (2 * H, K)), blocks=2, config=cfg)
-        return (indexed_scan.l2norm_heads(x["qkv"][:, :hk].unflatten(1, (H, K)), config=cfg), *qk)
-
     def scan(cfg, output_in_scan=False):
         pool = x["state_pool"].clone()
         qkv = x["qkv"]
         o = indexed_scan.indexed_chunk_gated_delta_rule(
             q=qkv[:, :hk].unflatten(1, (H, K)), k=qkv[:, hk:2 * hk].unflatten(1, (H, K)),
-            v=qkv[:, 2 * hk:].unflatten(1, (HV, V)), g=x["g"], beta=x["beta"], cu_seqlens=x["cu"],
+            v=qkv[:, 2 * hk:].unflatten(1, (HV, V)), gates=DeltaGates.given(x["g"], x["beta"]), cu_seqlens=x["cu"],
             state_pool=pool, read_slots=x["read"], write_slots=x["write"], scan_config=cfg,
             output_in_scan=output_in_scan)
         return o, pool
@@ -178,8 +175,7 @@ def test_every_autotune_config_bit_identical(ratio):
                                                 split=split)
         return o, kp, vp
 
-    for name, fn, configs in (("conv", conv, indexed_conv.CONV_CONFIGS), ("l2norm", l2, indexed_scan.L2NORM_CONFIGS),
-                              ("scan", scan, indexed_scan.SCAN_CONFIGS),
+    for name, fn, configs in (("conv", conv, indexed_conv.CONV_CONFIGS), ("scan", scan, indexed_scan.SCAN_CONFIGS),
                               ("scan with output", functools.partial(scan, output_in_scan=True),
                                scan_output.SCAN_OUTPUT_CONFIGS), ("attention", attn,
                                                                           paged_prefix.ATTN_CONFIGS),
@@ -217,10 +213,11 @@ def test_kernels_match_references(ratio):
     q, k, v = (qkv[:, :hk].unflatten(1, (H, K)), qkv[:, hk:2 * hk].unflatten(1, (H, K)),
                qkv[:, 2 * hk:].unflatten(1, (HV, V)))
     ref_spool = x["state_pool"].clone()
-    o_ref = TorchOps().gated_delta_rule(q, k, v, x["g"], x["beta"], meta, ref_spool)
+    gates = DeltaGates.given(x["g"], x["beta"])
+    o_ref = TorchOps().gated_delta_rule(q, k, v, gates, meta, ref_spool)
     for output_in_scan in (False, True):  # chunk_fwd_o after the scan, or the output in the scan's kernel
         spool = x["state_pool"].clone()
-        o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=x["g"], beta=x["beta"], cu_seqlens=cu, state_pool=spool,
+        o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=spool,
                                            read_slots=read, write_slots=write, output_in_scan=output_in_scan)
         print(f"delta rule (output_in_scan={output_in_scan}) rel err:", rel_err(o_ref, o), rel_err(ref_spool, spool))
         assert rel_err(o_ref, o) <= 2e-2 and rel_err(ref_spool, spool) <= 2e-2
@@ -299,6 +296,9 @@ def test_no_recompiles_over_batch_sizes(setup, monkeypatch):
 
 def test_fused_kernels_match_reference_at_kev_dims():
     """Every fused kernel at Kev-4B dims in bf16 against the torch reference on the same GPU inputs."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from kev.ops.delta_rule import prep
     from kev.ops.fused import activations, norms, reference
 
     g = torch.Generator().manual_seed(8)
@@ -322,6 +322,10 @@ def test_fused_kernels_match_reference_at_kev_dims():
     z, b, a = proj[:, :HV * V].unflatten(1, (HV, V)), proj[:, HV * V:HV * V + HV], proj[:, HV * V + HV:]
     o, oa = r(T, HV, V), r(T, Hq, D)
     A_log, dt_bias = r(HV), r(HV)
+    block = r(T, 2 * 16 * 128)  # Kev-4B: 16 key heads of 128
+    qk_dr = block[:, :2048].unflatten(1, (16, 128)), block[:, 2048:].unflatten(1, (16, 128))
+    cu = torch.tensor([0, 1, 64, 65, 200, T], device="cuda")
+    chunks = prepare_chunk_indices(cu, 64)
     cases = {
         "rms_norm": (norms.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)),
         "add_rms_norm": (norms.add_rms_norm(x, h, w, 1e-6), reference.add_rms_norm(x, h, w, 1e-6)),
@@ -330,7 +334,10 @@ def test_fused_kernels_match_reference_at_kev_dims():
         "gated_rms_norm": (norms.gated_rms_norm(o, z, wv, 1e-6), reference.gated_rms_norm(o, z, wv, 1e-6)),
         "silu_mul": (activations.silu_mul(gu[:, :F], gu[:, F:]), reference.silu_mul(gu[:, :F], gu[:, F:])),
         "sigmoid_mul": (activations.sigmoid_mul(oa, gate), reference.sigmoid_mul(oa, gate)),
-        "delta_gates": (activations.delta_gates(a, b, A_log, dt_bias), reference.delta_gates(a, b, A_log, dt_bias)),
+        # the delta rule's inputs: q, k normalised (column views of a conv-like block), the gates
+        # formed and summed per chunk, against the fp32 reference
+        "delta_rule_inputs": (prep.delta_rule_inputs(*qk_dr, DeltaGates(a, b, A_log, dt_bias), cu, chunks),
+                              prep.delta_rule_inputs_reference(*qk_dr, DeltaGates(a, b, A_log, dt_bias), cu)),
     }
     report = {}
     for name, (out, ref) in cases.items():
@@ -340,7 +347,7 @@ def test_fused_kernels_match_reference_at_kev_dims():
             report[f"{name}[{i}]"] = (rel_err(r_, o_), (o_ == r_).float().mean().item(), o_.dtype)
     print("fused kernel (rel err, fraction of identical elements):", report)
     for key, (err, same, dtype) in report.items():
-        if dtype == torch.float32:  # delta_gates' g: fp32 maths with the GPU's exp/log
+        if dtype == torch.float32:  # the gates' g: fp32 maths with the GPU's exp/log
             assert err <= 1e-5, key
         else:  # the same rounding steps as the reference: most bf16 elements are its very bits
             assert err <= 1e-2 and same >= 0.5, key

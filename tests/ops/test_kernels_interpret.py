@@ -21,6 +21,7 @@ import triton
 
 from interpret_support import FakeHopper, compiled_kernels
 from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
+from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.shapes import ShapeClass
 from kev.ops.torch_ops import TorchOps
@@ -173,7 +174,7 @@ def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio, ou
     pool.mul_(0.3)
     before = pool.clone()
     cu = packed(lens)
-    o = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=cu, state_pool=pool,
+    o = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=cu, state_pool=pool,
                                                    read_slots=torch.tensor(read), write_slots=torch.tensor(write),
                                                    output_in_scan=output_in_scan)
     # the reference: normalise like TorchOps, expand heads, recur token by token in fp64
@@ -218,23 +219,23 @@ def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathere
         meta = PassMeta(cu_seqlens=packed(lens), read_slots=read, write_slots=write,
                         prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
                         block_table=torch.zeros(len(lens), 1, dtype=torch.int32), phases=(2, 3))
-        joined = ops.gated_delta_rule(q, k, v, gate, beta, meta, pool)
+        joined = ops.gated_delta_rule(q, k, v, DeltaGates.given(gate, beta), meta, pool)
     else:
-        joined = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=packed(lens),
+        joined = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=packed(lens),
                                                             state_pool=pool, read_slots=read, write_slots=write,
                                                             phases=(2, 3), output_in_scan=output_in_scan)
     start = 0
     for ls, rs, ws in phases:
         end = start + sum(ls)
         alone = interp.scan.indexed_chunk_gated_delta_rule(
-            q=q[start:end], k=k[start:end], v=v[start:end], g=gate[start:end], beta=beta[start:end],
+            q=q[start:end], k=k[start:end], v=v[start:end], gates=DeltaGates.given(gate[start:end], beta[start:end]),
             cu_seqlens=packed(ls), state_pool=pool_alone, read_slots=idx(rs), write_slots=idx(ws),
             output_in_scan=output_in_scan)
         assert torch.equal(joined[start:end], alone)
         start = end
     assert torch.equal(pool, pool_alone)
     with pytest.raises(ValueError, match="phases"):
-        interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=packed(lens),
+        interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=packed(lens),
                                                    state_pool=pool, read_slots=read, write_slots=write, phases=(2, 2))
 
 
@@ -274,10 +275,10 @@ def test_packed_views_bit_identical(interp):
     gate, beta = -torch.rand(T, HV, generator=g), torch.rand(T, HV, generator=g)
     pool = torch.randn(3, HV, K, V, generator=g)
     cu, read, write = torch.tensor([0, 30, 70]), torch.tensor([1, 1]), torch.tensor([-1, -1])
-    a = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, g=gate, beta=beta, cu_seqlens=cu, state_pool=pool,
+    a = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=cu, state_pool=pool,
                                                    read_slots=read, write_slots=write)
-    b = interp.scan.indexed_chunk_gated_delta_rule(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=gate,
-                                                   beta=beta, cu_seqlens=cu, state_pool=pool.clone(),
+    b = interp.scan.indexed_chunk_gated_delta_rule(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                                                   gates=DeltaGates.given(gate, beta), cu_seqlens=cu, state_pool=pool.clone(),
                                                    read_slots=read, write_slots=write)
     assert torch.equal(a, b)
     weight = torch.randn(qkv.shape[1] - 8, 4, generator=g)
@@ -289,26 +290,55 @@ def test_packed_views_bit_identical(interp):
     assert torch.equal(ya, yb)
 
 
-def test_qk_l2norm_in_one_launch_equals_two(interp):
-    """q and k adjacent in one buffer (the conv's q,k block) are normalised in one launch, each
-    into its own contiguous [T, H, K], bit-identical to two launches; a k that does not directly
-    follow q is not taken for adjacent."""
-    scan = interp.scan
-    T, H, K = 37, 3, 16
-    g = torch.Generator().manual_seed(4)
-    block = torch.randn(T, 2 * H * K + 8, generator=g)[:, 8:]  # a column view, as the model's is
-    q, k = block[:, :H * K].unflatten(1, (H, K)), block[:, H * K:].unflatten(1, (H, K))
-    qk = scan.adjacent_heads(q, k)
-    assert qk is not None and qk.shape == (T, 2 * H, K)
-    qn, kn = scan.l2norm_heads(qk, blocks=2)
-    assert qn.is_contiguous() and kn.is_contiguous() and qn.shape == kn.shape == (T, H, K)
-    assert torch.equal(qn, scan.l2norm_heads(q)) and torch.equal(kn, scan.l2norm_heads(k))
-    assert torch.allclose(qn, torch.nn.functional.normalize(q, dim=-1), atol=1e-5)
-    assert scan.adjacent_heads(k, q) is None, "q does not follow k"
-    assert scan.adjacent_heads(q, k.contiguous()) is None, "another buffer"
-    assert scan.adjacent_heads(q[:, :2], k[:, :2]) is None, "a gap between them"
-    with pytest.raises(ValueError, match="blocks"):
-        scan.l2norm_heads(qk, blocks=4)
+@pytest.mark.parametrize("raw,dtype", [(True, torch.float32), (True, torch.bfloat16), (False, torch.float32)],
+                         ids=["projections", "projections-bf16", "given"])
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_delta_rule_inputs_in_one_launch(interp, poisoned, raw, dtype, ratio):
+    """q and k normalised (from column views) and the gates formed and summed per chunk, in one
+    launch, against the fp32 reference: sequences of 1, 63, 64, 65 and 130 tokens, with empty
+    sequences and a chunk-list entry past its sequence's end (a CUDA-graph key's no-op)."""
+    g = torch.Generator().manual_seed(40 + ratio)
+    H, K = 3, 16
+    HV = H * ratio
+    lens = [1, 63, 0, 64, 65, 130]
+    T = sum(lens)
+    block = torch.randn(T, 2 * H * K + 2 * HV + 8, generator=g).to(dtype)[:, 8:]  # column views, as the model's
+    q, k = block[:, :H * K].unflatten(1, (H, K)), block[:, H * K:2 * H * K].unflatten(1, (H, K))
+    if raw:
+        a, b = block[:, 2 * H * K:2 * H * K + HV] * 8, block[:, 2 * H * K + HV:]  # both softplus branches
+        gates = DeltaGates(a, b, torch.randn(HV, generator=g), torch.randn(HV, generator=g))
+    else:
+        gates = DeltaGates.given(-torch.rand(T, HV, generator=g), torch.rand(T, HV, generator=g))
+    cu = packed(lens)
+    chunks = interp.scan.prepare_chunk_indices(cu, 64)
+    chunks = torch.cat([chunks, torch.tensor([[5, 7]])])  # past sequence 5's end: must change nothing
+    qn, kn, gc, beta = interp.prep.delta_rule_inputs(q, k, gates, cu, chunks)
+    rq, rk, rg, rbeta = interp.prep.delta_rule_inputs_reference(q, k, gates, cu)
+    assert qn.is_contiguous() and kn.is_contiguous() and gc.dtype == torch.float32
+    # bf16: the interpreter's casts truncate where the GPU rounds to nearest (the GPU test checks closely)
+    tol = 1e-6 if dtype == torch.float32 else 1.5e-2
+    assert qn.dtype == beta.dtype == dtype
+    assert rel_err(rq, qn) <= tol and rel_err(rk, kn) <= tol and rel_err(rbeta, beta) <= tol
+    assert rel_err(rg, gc) <= 1e-5
+    assert torch.allclose(qn.float(), torch.nn.functional.normalize(q.float(), dim=-1), atol=10 * tol)
+    c = torch.Tensor.contiguous
+    assert all(torch.equal(x, y) for x, y in zip(  # column views read in place: the same bits as copies
+        (qn, kn, gc, beta), interp.prep.delta_rule_inputs(c(q), c(k), gates if not raw else DeltaGates(
+            c(gates.a), c(gates.b), gates.A_log, gates.dt_bias), cu, chunks)))
+    with pytest.raises(ValueError, match="multiple of H"):
+        interp.prep.delta_rule_inputs(q, k, DeltaGates.given(gc[:, :1].expand(T, 2).contiguous(), beta[:, :2]),
+                                      cu, chunks)
+    with pytest.raises(ValueError, match="fp32"):
+        interp.prep.delta_rule_inputs(q, k, DeltaGates.given(gc.double(), beta), cu, chunks)
+
+
+def test_delta_gates_take_projections_or_given_values():
+    x = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="DeltaGates takes"):
+        DeltaGates(x, x)
+    with pytest.raises(ValueError, match="DeltaGates takes"):
+        DeltaGates(x, x, x[0], x[0], g=x, beta=x)
+    assert DeltaGates.given(x, x).values() == (x, x) and DeltaGates(x, x, x[0], x[0]).raw
 
 
 ATTN_CASES = {  # (own lengths, prefix lengths, write slots)
@@ -537,10 +567,10 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
     from triton.runtime.driver import driver
 
     indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
-    scan_output = compiled_modules.scan_output
+    scan_output, prep = compiled_modules.scan_output, compiled_modules.prep
     kernels = [indexed_conv.indexed_conv_fwd_kernel, indexed_scan.indexed_scan_fwd_kernel,
                scan_output.indexed_scan_output_kernel,
-               indexed_scan.l2norm_heads_kernel, paged_prefix.paged_prefix_attn_fwd_kernel,
+               prep.delta_rule_prep_kernel, paged_prefix.paged_prefix_attn_fwd_kernel,
                paged_prefix.paged_prefix_span_kernel, paged_prefix.paged_prefix_finish_kernel]
     for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
@@ -567,7 +597,7 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
                                          conv_pool=torch.zeros(S, C, W - 1), read_slots=read, write_slots=write,
                                          chunk_indices=chunks, config=indexed_conv.CONV_CONFIGS[0])
         qk = torch.randn(T, 2, H, K)
-        indexed_scan.l2norm_heads(qk[:, 0], config=indexed_scan.L2NORM_CONFIGS[0])
+        prep.delta_rule_inputs(qk[:, 0], qk[:, 1], DeltaGates.given(torch.randn(T, HV), torch.rand(T, HV)), cu, chunks)
         indexed_scan.indexed_scan(torch.randn(T, H, K), torch.randn(T, HV, K), torch.randn(T, HV, V),
                                   torch.randn(T, HV), cu, offsets, chunks.shape[0], torch.zeros(S, HV, K, V),
                                   read, write, config=indexed_scan.SCAN_CONFIGS[0])
@@ -607,9 +637,9 @@ def test_kernels_compile_for_hopper():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = {e["function"]: e for e in json.loads(out.stdout.splitlines()[-1])}
-    assert set(compiled) == {"indexed_conv_fwd_kernel", "l2norm_heads_kernel", "indexed_scan_fwd_kernel",
+    assert set(compiled) == {"indexed_conv_fwd_kernel", "delta_rule_prep_kernel", "indexed_scan_fwd_kernel",
                              "indexed_scan_output_kernel", "paged_prefix_attn_fwd_kernel",
                              "paged_prefix_span_kernel", "paged_prefix_finish_kernel", "rms_norm_fwd_kernel",
-                             "gated_rms_norm_fwd_kernel", "silu_mul_fwd_kernel", "sigmoid_mul_fwd_kernel",
-                             "delta_gates_fwd_kernel"}, sorted(compiled)
+                             "gated_rms_norm_fwd_kernel", "silu_mul_fwd_kernel",
+                             "sigmoid_mul_fwd_kernel"}, sorted(compiled)
     assert all(e["cubin_bytes"] > 0 and 0 < e["REG"] <= 255 for e in compiled.values())

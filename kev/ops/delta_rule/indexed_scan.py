@@ -7,16 +7,16 @@ and writes the final state only to `out_pool[write_slots[n]]` when that index is
 no copy, no `.contiguous()` anywhere near the bank. fla 0.6.0's
 `chunk_gated_delta_rule_fwd_kernel_h_blockdim64` is the reference design.
 
-`indexed_chunk_gated_delta_rule` is the whole forward: our strided L2 norm of q and k, then fla's
-chunk-local cumsum, fused KK^T + triangular solve + WY recompute (`chunk_gated_delta_rule_fwd_intra`),
-our state pass, and fla's `chunk_fwd_o`. fla's pieces are called with keywords on activations only
-(never the bank). fla 0.6.0 supports grouped value heads natively (value head j reads key head
-j // (HV / H)), so q and k are never expanded. fla's `l2norm_fwd` views its input as [-1, K], which
-a packed q/k column view cannot do; our L2 norm reads the view in place and writes the contiguous
-normalised copies fla's kernels need, q's and k's in one launch when k follows q in one buffer (the
-model's conv output: 48 launches fewer per five-long sweep). fla's WY recompute reads v as
-contiguous [T, HV, V] (the model's conv writes it so; other callers' v is copied). Gates follow fla
-0.6.0: the chunk cumsum is scaled by 1/ln 2 and every decay is an exp2.
+`indexed_chunk_gated_delta_rule` is the whole forward: one launch that L2-normalises q and k and
+forms the gates with their chunk-local cumsum (`prep`), then fla's fused KK^T + triangular solve +
+WY recompute (`chunk_gated_delta_rule_fwd_intra`), our state pass, and fla's `chunk_fwd_o` (or our
+state kernel forming the output itself, `scan_output`). fla's pieces are called with keywords on
+activations only (never the bank). fla 0.6.0 supports grouped value heads natively (value head j
+reads key head j // (HV / H)), so q and k are never expanded. q and k may be column views (the
+model's conv output): `prep` reads them in place and writes the contiguous normalised copies fla's
+kernels need. fla's WY recompute reads v as contiguous [T, HV, V] (the model's conv writes it so;
+other callers' v is copied). Gates follow fla 0.6.0: the chunk cumsum is scaled by 1/ln 2 and every
+decay is an exp2.
 
 Reference: `naive.recurrent_gated_delta_rule` / `chunk_torch.chunk_gated_delta_rule`.
 """
@@ -30,18 +30,20 @@ import triton
 import triton.language as tl
 from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-from fla.ops.utils.constant import RCP_LN2
-from fla.ops.utils.cumsum import chunk_local_cumsum
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
+from kev.ops.delta_rule.prep import CHUNK as PREP_CHUNK
+from kev.ops.delta_rule.prep import delta_rule_inputs
 from kev.ops.delta_rule.scan_output import indexed_scan_output
+from kev.ops.gates import DeltaGates
 from kev.ops.utils import preserve_written_slots, shape_class
 
 # (first sequence, end sequence) -> (pool, read slots [n1 - n0]) the sequences' state passes start from
 StartStates = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
+assert PREP_CHUNK == CHUNK
 
 # The [K, BV] fp32 state lives in registers. Compiled for sm_90 at Kev-4B's heads
 # (bench/kernel_resources.py), the 2-warp configs spill 32-616 bytes a thread and the 4-warp ones
@@ -56,69 +58,8 @@ SCAN_CONFIGS = [
     for num_stages in [2, 3]
 ] + [triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
      for BV, num_warps in [(32, 8), (64, 8), (16, 4)] for num_stages in [1, 2]]
-L2NORM_CONFIGS = [triton.Config({"BTN": 16}, num_warps=4), triton.Config({"BTN": 32}, num_warps=4)]
 if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
-    SCAN_CONFIGS, L2NORM_CONFIGS = SCAN_CONFIGS[:1], L2NORM_CONFIGS[:1]
-
-
-@triton.jit(do_not_specialize=["T"])
-def l2norm_heads_kernel(
-    x,  # [T, H, K] any strides over T and H, unit stride over K
-    y,  # [H / HB, T, HB, K] contiguous: heads in blocks of HB, each block a contiguous [T, HB, K]
-    T, stride_x_t, stride_x_h, eps,
-    H: tl.constexpr, HB: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BTN: tl.constexpr,
-):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    o_t = i_t * BTN + tl.arange(0, BTN)
-    o_k = tl.arange(0, BK)
-    m = (o_t < T)[:, None] & (o_k < K)[None, :]
-    b_x = tl.load(x + o_t[:, None].to(tl.int64) * stride_x_t + i_h * stride_x_h + o_k[None, :], mask=m, other=0.0)
-    b_x = b_x.to(tl.float32)
-    b_y = b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + eps)[:, None]  # x / sqrt(|x|^2 + eps), as the reference
-    row = (i_h // HB) * T * HB + o_t[:, None].to(tl.int64) * HB + i_h % HB  # [BTN, 1] (block, token, head)
-    tl.store(y + row * K + o_k[None, :], b_y.to(y.dtype.element_ty), mask=m)
-
-
-_tuned_l2norm = triton.autotune(configs=L2NORM_CONFIGS, key=["H", "HB", "K"])(l2norm_heads_kernel)
-
-
-def l2norm_heads(x: torch.Tensor, eps: float = 1e-6, *, blocks: int = 1,
-                 config: triton.Config | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """x: [T, H, K] (strided view, unit stride over K) -> contiguous [T, H, K] in x's dtype, fp32 maths.
-    `blocks` > 1: the heads in that many equal blocks, each returned as its own contiguous
-    [T, H / blocks, K] (q and k normalised in one launch). `config` runs that one config instead of
-    the autotuner."""
-    if x.ndim != 3 or x.stride(2) != 1:
-        raise ValueError(f"x must be [T, H, K] with unit stride over K, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
-    T, H, K = x.shape
-    if blocks < 1 or H % blocks:
-        raise ValueError(f"{H} heads do not split into {blocks} blocks")
-    HB = H // blocks
-    y = torch.empty((blocks, T, HB, K), dtype=x.dtype, device=x.device)
-    out = y[0] if blocks == 1 else tuple(y)
-    if T == 0:
-        return out
-    args, meta = (x, y, T, x.stride(0), x.stride(1), eps), dict(H=H, HB=HB, K=K, BK=triton.next_power_of_2(K))
-
-    def grid(m):
-        return (triton.cdiv(T, m["BTN"]), H)
-
-    if config is None:
-        _tuned_l2norm[grid](*args, **meta)
-    else:
-        l2norm_heads_kernel[grid](*args, **meta, **config.all_kwargs())
-    return out
-
-
-def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """A [T, 2H, K] view of q's heads then k's when k directly follows q in one buffer, with the
-    same strides and heads contiguous (the conv's q,k block, kev/ops/conv/indexed_conv.py); else None."""
-    T, H, K = q.shape
-    if (k.shape != q.shape or k.dtype != q.dtype or k.stride() != q.stride() or q.stride(1) != K
-            or q.stride(2) != 1 or k.data_ptr() != q.data_ptr() + H * K * q.element_size()):
-        return None
-    return q.as_strided((T, 2 * H, K), (q.stride(0), K, 1))
+    SCAN_CONFIGS = SCAN_CONFIGS[:1]
 
 
 @triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
@@ -272,8 +213,7 @@ def indexed_chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    gates: DeltaGates,
     cu_seqlens: torch.Tensor,
     state_pool: torch.Tensor,
     read_slots: torch.Tensor,
@@ -293,8 +233,8 @@ def indexed_chunk_gated_delta_rule(
     q:             [T, H, K] raw queries, any strides with unit stride over K (L2-normalised inside)
     k:             [T, H, K] raw keys, likewise
     v:             [T, HV, V] values, HV a multiple of H (value head j reads key head j // (HV/H))
-    g:             [T, HV] fp32 log decay (natural log, per token)
-    beta:          [T, HV]
+    gates:         [T, HV] the pass's gates (`DeltaGates`: the a and b projections, or g and beta given),
+                   formed with q's and k's L2 norm and the gates' chunk cumsum in one launch (`prep`)
     cu_seqlens:    [N + 1] int64 sequence offsets
     state_pool:    [S, HV, K, V] fp32, read in place at read_slots [N] (-1: zero state)
     write_slots:   [N] slot of out_pool (default state_pool) that receives the final state (-1: none)
@@ -320,10 +260,8 @@ def indexed_chunk_gated_delta_rule(
     HV = v.shape[1]
     if HV % H:
         raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H} (v {tuple(v.shape)})")
-    if tuple(g.shape) != (T, HV) or tuple(beta.shape) != (T, HV):
-        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T={T}, HV={HV}]")
-    if g.dtype != torch.float32:
-        raise ValueError(f"g must be fp32, got {g.dtype}")
+    if tuple(gates.shape) != (T, HV):
+        raise ValueError(f"gates {tuple(gates.shape)} must be [T={T}, HV={HV}]")
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
     if chunk_offsets is None:
@@ -332,15 +270,13 @@ def indexed_chunk_gated_delta_rule(
     if T == 0:
         return v.new_empty(v.shape)
 
-    qk = adjacent_heads(q, k)  # the model's q and k: one launch normalises both
-    q, k = l2norm_heads(qk, blocks=2) if qk is not None else (l2norm_heads(q), l2norm_heads(k))  # [T, H, K] each
+    # q, k normalised (contiguous [T, H, K] each) and g's chunk-local cumsum in log2 units (fla 0.6.0's
+    # gate convention), in one launch
+    q, k, g_cum, beta = delta_rule_inputs(q, k, gates, cu_seqlens, chunk_indices)
+    g_cum = g_cum[None]  # [1, T, HV]
     # fla's WY recompute reads [T, HV, V] contiguous: the model's v already is (the conv writes it
     # as a block of its own, kev/ops/conv/indexed_conv.py); any other caller's v is copied here.
     v = v.contiguous()
-    g, beta = g.contiguous(), beta.contiguous()
-    # [1, T, HV] chunk-local cumsum in log2 units (fla 0.6.0's gate convention)
-    g_cum = chunk_local_cumsum(g=g[None], chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
-                               chunk_indices=chunk_indices)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
                                                cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
     N = read_slots.shape[0]

@@ -3,8 +3,8 @@
 - `silu_mul(gate, up)`: the MLP's silu(gate) * up, gate and up column views of one fused
   gate+up projection (read in place through their row stride).
 - `sigmoid_mul(x, gate)`: the attention output gate x * sigmoid(gate), gate a strided view.
-- `delta_gates(a, b, A_log, dt_bias)`: the DeltaNet gates, (g, beta) with g = -exp(A_log) *
-  softplus(a + dt_bias) in fp32 and beta = sigmoid(b) in b's dtype.
+
+The DeltaNet gates are formed inside the delta rule's first kernel (`kev.ops.delta_rule.prep`).
 
 The activations are the batch-invariant forms of `kev.ops.invariant` (x / (1 + exp(-x)), ...), with the
 same rounding to the inputs' dtype after every step that the torch reference rounds (bf16 tensors
@@ -24,7 +24,7 @@ from kev.ops.utils import output_like
 
 
 @triton.jit
-def _round(x, DT: tl.constexpr):
+def round_to(x, DT: tl.constexpr):
     """x rounded to DT and back to fp32 (a no-op for fp32)."""
     return x.to(DT).to(tl.float32)
 
@@ -43,8 +43,8 @@ def silu_mul_fwd_kernel(
     DT: tl.constexpr = y.dtype.element_ty
     b_g = tl.load(gate + o_t[:, None] * stride_g_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BC]
     b_u = tl.load(up + o_t[:, None] * stride_u_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)
-    b_d = _round(1.0 + _round(tl.exp(-b_g), DT), DT)
-    b_s = _round(tl.math.div_rn(b_g, b_d), DT)  # silu(gate) in gate's dtype
+    b_d = round_to(1.0 + round_to(tl.exp(-b_g), DT), DT)
+    b_s = round_to(tl.math.div_rn(b_g, b_d), DT)  # silu(gate) in gate's dtype
     tl.store(y + o_t[:, None] * C + o_c[None, :], (b_s * b_u).to(DT), mask=m)
 
 
@@ -64,40 +64,9 @@ def sigmoid_mul_fwd_kernel(
     b_x = tl.load(x + o_t[:, None] * stride_x_t + i_h * stride_x_h + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_g = tl.load(gate + o_t[:, None] * stride_g_t + i_h * stride_g_h + o_d[None, :], mask=m,
                   other=0.0).to(tl.float32)
-    b_d = _round(1.0 + _round(tl.exp(-b_g), DT), DT)
-    b_s = _round(tl.math.div_rn(1.0, b_d), DT)  # sigmoid(gate) in gate's dtype
+    b_d = round_to(1.0 + round_to(tl.exp(-b_g), DT), DT)
+    b_s = round_to(tl.math.div_rn(1.0, b_d), DT)  # sigmoid(gate) in gate's dtype
     tl.store(y + (o_t[:, None] * H + i_h) * D + o_d[None, :], (b_x * b_s).to(DT), mask=m)
-
-
-@triton.jit(do_not_specialize=["T"])
-def delta_gates_fwd_kernel(
-    a, b,  # [T, HV] projections through row strides
-    A_log, dt_bias,  # [HV]
-    g,  # [T, HV] fp32 contiguous out: log decay
-    beta,  # [T, HV] contiguous out in b's dtype
-    T, stride_a_t, stride_b_t,
-    HV: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-):
-    i_t = tl.program_id(0)
-    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    o_h = tl.arange(0, BH)
-    m_h = o_h < HV
-    m = (o_t < T)[:, None] & m_h[None, :]
-    DB: tl.constexpr = beta.dtype.element_ty
-    b_b = tl.load(b + o_t[:, None] * stride_b_t + o_h[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BH]
-    b_d = _round(1.0 + _round(tl.exp(-b_b), DB), DB)
-    tl.store(beta + o_t[:, None] * HV + o_h[None, :], tl.math.div_rn(1.0, b_d).to(DB), mask=m)
-
-    b_a = tl.load(a + o_t[:, None] * stride_a_t + o_h[None, :], mask=m, other=0.0).to(tl.float32)
-    b_dt = tl.load(dt_bias + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_A = tl.load(A_log + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_x = b_a + b_dt[None, :]
-    # softplus: x above 20, else log1p(exp(x)); log1p(e) = log(u) * e / (u - 1) with u = 1 + e (exact as u -> 1)
-    b_e = tl.exp(tl.minimum(b_x, 20.0))
-    b_u = 1.0 + b_e
-    b_lp = tl.where(b_u == 1.0, b_e, tl.log(b_u) * tl.math.div_rn(b_e, tl.where(b_u == 1.0, 1.0, b_u - 1.0)))
-    b_sp = tl.where(b_x > 20.0, b_x, b_lp)
-    tl.store(g + o_t[:, None] * HV + o_h[None, :], -tl.exp(b_A)[None, :] * b_sp, mask=m)
 
 
 def _row_stride(name: str, t: torch.Tensor) -> int:
@@ -147,30 +116,3 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = 
     sigmoid_mul_fwd_kernel[(triton.cdiv(T, BT), H)](x, gate, y, T, x.stride(0), x.stride(1), gate.stride(0),
                                                      gate.stride(1), H=H, D=D, BT=BT, BD=BD, num_warps=4)
     return y
-
-
-def delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DeltaNet gates.
-
-    a, b:    [T, HV] projections (strided column views are fine), unit stride over HV
-    A_log:   [HV]; dt_bias: [HV] (contiguous)
-    Returns (g [T, HV] fp32 = -exp(A_log) * softplus(a + dt_bias), beta [T, HV] = sigmoid(b) in b's dtype),
-    both contiguous.
-    """
-    if a.shape != b.shape:
-        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} must match")
-    sa, sb = _row_stride("a", a), _row_stride("b", b)
-    T, HV = a.shape
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        if t.shape != (HV,) or t.stride(0) != 1:
-            raise ValueError(f"{name} must be a contiguous [HV={HV}], got {tuple(t.shape)}")
-    g = torch.empty((T, HV), dtype=torch.float32, device=a.device)
-    beta = torch.empty((T, HV), dtype=b.dtype, device=b.device)
-    if T == 0 or HV == 0:
-        return g, beta
-    BH = triton.next_power_of_2(HV)
-    BT = max(1, 1024 // BH)
-    delta_gates_fwd_kernel[(triton.cdiv(T, BT),)](a, b, A_log, dt_bias, g, beta, T, sa, sb, HV=HV, BT=BT, BH=BH,
-                                                  num_warps=4)
-    return g, beta

@@ -84,4 +84,3 @@ class ReferenceElementwise:
     gated_rms_norm = staticmethod(gated_rms_norm)
     silu_mul = staticmethod(silu_mul)
     sigmoid_mul = staticmethod(sigmoid_mul)
-    delta_gates = staticmethod(delta_gates)
