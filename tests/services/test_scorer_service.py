@@ -129,7 +129,7 @@ def test_a_cached_request_asks_redis_twice(served):
     with grpc.insecure_channel(stack.scorer_addr) as channel:
         stub = scorer_pb2_grpc.ScorerStub(channel)
         assert_same(score(stub, requests[0]), want[0])  # stored (again) if it was evicted
-        time.sleep(0.2)
+        time.sleep(0.5)  # its registration, if it took a pass, done
         start = time.monotonic()
         for _ in range(20):
             got = score(stub, requests[0])
@@ -145,7 +145,10 @@ def test_a_cached_request_asks_redis_twice(served):
         return sum(1 for t, c in seen if c == command and t0 <= t < t1)
 
     busy_gets, idle_gets = count("GET", start, middle), count("GET", middle, end)
-    assert count("EVALSHA", start, middle) + count("EVAL", start, middle) == 2 * 20
+    # the bank's own scripts (registering or evicting after a pass of the first request, on a slow
+    # machine late) may fall in the window: a few, never the 20 a third call per request would add
+    scripts = count("EVALSHA", start, middle) + count("EVAL", start, middle)
+    assert 2 * 20 <= scripts <= 2 * 20 + 3, scripts
     assert busy_gets <= idle_gets + 2, (busy_gets, idle_gets)
 
 
