@@ -114,7 +114,10 @@ def floor_ms(cfg: ModelConfig, tokens: int, tflops: float) -> float:
 def run_info() -> dict:
     commit = os.environ.get("KEV_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"commit": commit, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    from kev.ops import pdl
+
+    return {"commit": commit, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "pdl": pdl.enabled()}  # our kernels launched with programmatic dependent launch (kev/ops/pdl.py)
 
 
 def write_json(path: str, obj) -> None:

@@ -104,6 +104,9 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             q, k, w, u, g, cu, pool, read, write, K ** -0.5, config=c)),
         "paged_prefix_attention": (attn_configs, lambda c: attention(c, False)),
         "paged_prefix_split": (attn_configs, lambda c: attention(c, True)),  # the span and finish kernels
+        "paged_store": (one, lambda c: paged_prefix.paged_store(  # a state pass's last attention layer
+            ka, va, cu, torch.tensor([5, 0, 300]), pages, pages.clone(), torch.zeros(N, 8, dtype=torch.int32), write,
+            chunk_indices=attn_chunks, group=HQ // HKV)),
     }
 
 
@@ -119,18 +122,30 @@ def resources(cubin: bytes) -> dict[str, int]:
             if v.isdigit()}
 
 
+def pdl_wait_first(ptx: str) -> bool:
+    """Whether the kernel waits for the one before it (`griddepcontrol.wait`, kev/ops/pdl.py) before
+    its first global memory access."""
+    lines = ptx.splitlines()
+    wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), None)
+    memory = next((i for i, ln in enumerate(lines) if any(op in ln for op in ("ld.global", "st.global", "atom.",
+                                                                              "red.", "cp.async"))), len(lines))
+    return wait is not None and wait < memory
+
+
 def survey(first_only: bool = False) -> list[dict]:
     """Compile every (or each kernel's first) config; one entry per compiled Triton function."""
     found: list[dict] = []
     current: dict = {}
 
     def compile_instead(*, fn, compile, **_):
-        src = fn.jit_function.ASTSource(fn.jit_function, compile["signature"], compile["constants"],
-                                        compile["configs"][0])
+        jit = fn.jit_function
+        src = jit.ASTSource(jit, compile["signature"], compile["constants"], compile["configs"][0])
+        pdl = compile["constants"].get((jit.arg_names.index("USE_PDL"),), False) if "USE_PDL" in jit.arg_names else False
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"]))
+                                options=dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"],
+                                             launch_pdl=pdl))
         found.append({**current, "function": fn.name, "cubin_bytes": len(kernel.asm["cubin"]),
-                      **resources(kernel.asm["cubin"])})
+                      "pdl_wait_first": pdl_wait_first(kernel.asm["ptx"]), **resources(kernel.asm["cubin"])})
         return True  # nothing to launch it on
 
     kernels = launchers()  # imports fla and the kernels first: fla probes the device at import

@@ -67,11 +67,16 @@ for what in "${@:-tests perf}"; do
                     --profile-out "$OUT/single_request_profile.txt" ;;
             ab) step attention_ab 150 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
             delta-ab) step delta_rule_ab 240 python3 -m bench.delta_rule_ab --out "$OUT/delta_rule_ab.json" ;;
+            pdl-ab)  # the single-request figures without PDL (kev/ops/pdl.py), then with it (the default)
+                step single_request_no_pdl 150 python3 -m bench.single_request --no-pdl \
+                    --out "$OUT/single_request_no_pdl.json" --reps 15
+                step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 ;;
             floors)
                 step row_pass 150 python3 -m bench.row_pass --out "$OUT/row_pass.json" \
                     --kernels-out "$OUT/row_pass_kernels.json"
                 step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, perf, single, ab, delta-ab, floors)"; exit 2 ;;
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, perf, single, ab, delta-ab, pdl-ab, floors)"
+               exit 2 ;;
         esac
     done
 done

@@ -411,6 +411,27 @@ def test_graph_replay_equals_eager(setup):
     assert torch.equal(out, run())
 
 
+def test_programmatic_dependent_launch_changes_no_bit(setup, monkeypatch):
+    """Our kernels launched with PDL (kev/ops/pdl.py, on by default from sm_90) give exactly what
+    plain stream order gives: a state pass's bank and a row pass's hidden states. (Every graph test
+    captures with PDL on: test_graph_replay_equals_eager replays such a graph bit for bit.)"""
+    from kev.ops import pdl
+
+    model, cfg, docs, table, doc_lens = (setup[k] for k in ("model", "cfg", "docs", "table", "doc_lens"))
+    assert pdl.enabled(), "the H200 is sm_90: PDL should be on by default"
+    rows, read = make_rows(17, 77)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(pdl, "off", mode == "off")
+        pools, _ = make_pools(cfg, 7, 2304, 64, torch.bfloat16, "cuda", strided=True)
+        state_pass(model, TritonOps(), pools, table, docs, list(SLOTS), chunk=1024)
+        hidden = row_pass(model, TritonOps(), pools, table, rows, read, doc_lens)
+        out[mode] = ([t.clone() for t in pools.tensors()], hidden)
+    (bank_off, h_off), (bank_on, h_on) = out["off"], out["on"]
+    assert all(torch.equal(a, b) for a, b in zip(bank_off, bank_on)), "a state pass differs with PDL"
+    assert torch.equal(h_off, h_on), "a row pass differs with PDL"
+
+
 def test_graph_bench_captures_the_calls_and_survives_a_failing_one():
     """`kev.ops.autotune.graph_bench` (the serving tuner's benchmarker): the call runs once, three
     times for the estimate, then once more per captured call (replays run no Python); it returns a

@@ -639,7 +639,11 @@ def test_kernels_compile_for_hopper():
     compiled = {e["function"]: e for e in json.loads(out.stdout.splitlines()[-1])}
     assert set(compiled) == {"indexed_conv_fwd_kernel", "delta_rule_prep_kernel", "indexed_scan_fwd_kernel",
                              "indexed_scan_output_kernel", "paged_prefix_attn_fwd_kernel",
-                             "paged_prefix_span_kernel", "paged_prefix_finish_kernel", "rms_norm_fwd_kernel",
+                             "paged_prefix_span_kernel", "paged_prefix_finish_kernel", "paged_store_kernel",
+                             "rms_norm_fwd_kernel",
                              "gated_rms_norm_fwd_kernel", "silu_mul_fwd_kernel",
                              "sigmoid_mul_fwd_kernel"}, sorted(compiled)
     assert all(e["cubin_bytes"] > 0 and 0 < e["REG"] <= 255 for e in compiled.values())
+    # launched with programmatic dependent launch on Hopper: each waits before touching memory (kev/ops/pdl.py)
+    assert all(e["pdl_wait_first"] for e in compiled.values()), [e["function"] for e in compiled.values()
+                                                                 if not e["pdl_wait_first"]]

@@ -34,6 +34,7 @@ import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
 from kev.ops.shapes import ShapeClass, classify_seqs
+from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
@@ -297,8 +298,10 @@ def paged_prefix_attn_fwd_kernel(
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     """One program per (query block, kv head, value slice): the prefix, then the own keys."""
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     BV: tl.constexpr = BD // NV
     # Query blocks in reverse: a sequence's last blocks walk the most own keys, and launched last
     # they ran on alone at the end (a 2,208-token document: 71 key tiles against 35 on average).
@@ -327,9 +330,11 @@ def paged_prefix_span_kernel(
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, NS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     """Split mode, step 1: one program per (query block, kv head, value slice, prefix span): the
     span's online softmax from a fresh start, stored as a partial. An empty span stores nothing."""
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     BV: tl.constexpr = BD // NV
     i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
     i_v, i_s = tl.program_id(2) // NS, tl.program_id(2) % NS
@@ -358,9 +363,11 @@ def paged_prefix_finish_kernel(
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, NS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     """Split mode, step 2: per (query block, kv head, value slice), the prefix spans' partials
     merged in order, then the own keys, the output and the own K/V as in the one-program kernel."""
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     BV: tl.constexpr = BD // NV
     i_ct, i_kvh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM)
@@ -392,9 +399,11 @@ def paged_store_kernel(
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
     D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     """Only the K/V store of the attention kernels, per (query block, kv head): for passes whose
     attention output nobody reads (the last layer of a state pass)."""
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_ct, i_kvh = tl.program_id(0), tl.program_id(1)
     i_n, i_t, bos, L, prefix = _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM)
     _store_own_kv(k, v, out_key_pages, out_value_pages, write_table, write_slots, bos, L, i_n, i_t, i_kvh,
@@ -567,7 +576,7 @@ def paged_store(
         k, v, key_pages, value_pages, block_table, prefix_lens, write_slots, cu_seqlens, chunk_indices,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *key_pages.stride()[:3], *value_pages.stride()[:3],
         block_table.stride(0), D=D, BD=max(32, triton.next_power_of_2(D)), BS=BS, BM=query_block(group),
-        num_warps=4)
+        num_warps=4, **launch_options())
 
 
 def _check_pages(BS: int, HKV: int, D: int, **pages: torch.Tensor) -> None:
@@ -580,6 +589,6 @@ def _check_pages(BS: int, HKV: int, D: int, **pages: torch.Tensor) -> None:
 def _launch(kernel, tuned, config, grid, args, meta):
     """`tuned` (the autotuner), or `kernel` with one given config."""
     if config is None:
-        tuned[grid](*args, **meta)
+        tuned[grid](*args, **meta, **launch_options())
     else:
-        kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs())
+        kernel[grid(config.kwargs)](*args, **meta, **config.all_kwargs(), **launch_options())

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
+from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import preserve_written_slots, shape_class
 
 CONV_CHUNK = 64  # tokens per program: the same chunking as the delta rule, so one chunk_indices serves both
@@ -67,7 +68,9 @@ def indexed_conv_fwd_kernel(
     BT: tl.constexpr,  # tokens per chunk (one program)
     BS: tl.constexpr,  # tokens per inner step
     BC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_c, i_ct = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
     i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
@@ -228,7 +231,7 @@ def indexed_causal_conv(
         return (triton.cdiv(C, m["BC"]), NT)
 
     if config is None:
-        _tuned_conv_kernel[grid](*args, **meta)
+        _tuned_conv_kernel[grid](*args, **meta, **launch_options())
     else:
-        indexed_conv_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+        indexed_conv_fwd_kernel[grid](*args, **meta, **config.all_kwargs(), **launch_options())
     return y

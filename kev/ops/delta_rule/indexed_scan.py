@@ -37,6 +37,7 @@ from kev.ops.delta_rule.prep import CHUNK as PREP_CHUNK
 from kev.ops.delta_rule.prep import delta_rule_inputs
 from kev.ops.delta_rule.scan_output import indexed_scan_output
 from kev.ops.gates import DeltaGates
+from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import preserve_written_slots, shape_class
 
 # (first sequence, end sequence) -> (pool, read slots [n1 - n0]) the sequences' state passes start from
@@ -81,7 +82,9 @@ def indexed_scan_fwd_kernel(
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -203,9 +206,9 @@ def indexed_scan(
         return (triton.cdiv(V, m["BV"]), N * HV)
 
     if config is None:
-        _tuned_scan_kernel[grid](*args, **meta)
+        _tuned_scan_kernel[grid](*args, **meta, **launch_options())
     else:
-        indexed_scan_fwd_kernel[grid](*args, **meta, **config.all_kwargs())
+        indexed_scan_fwd_kernel[grid](*args, **meta, **config.all_kwargs(), **launch_options())
     return h, v_new
 
 

@@ -24,6 +24,7 @@ from fla.ops.utils.constant import RCP_LN2
 
 from kev.ops.fused.activations import round_to
 from kev.ops.gates import DeltaGates
+from kev.ops.pdl import launch_options, wait_for_previous
 
 CHUNK = 64  # the delta rule's chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
 L2_EPS = 1e-6  # x / sqrt(|x|^2 + eps), as the reference (kev.ops.torch_ops.l2_normalize)
@@ -51,7 +52,9 @@ def delta_rule_prep_kernel(
     eps, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BG: tl.constexpr,
     RAW: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_ct, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
     i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
@@ -140,7 +143,7 @@ def delta_rule_inputs(q: torch.Tensor, k: torch.Tensor, gates: DeltaGates, cu_se
         q, k, x, y, A_log, dt_bias, q_out, k_out, g, beta, cu_seqlens.contiguous(), chunk_indices.contiguous(),
         T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), stride_a, stride_b, L2_EPS, RCP_LN2,
         H=H, HV=HV, K=K, BK=triton.next_power_of_2(K), BT=CHUNK, BG=triton.next_power_of_2(HV // H),
-        RAW=gates.raw, num_warps=4)
+        RAW=gates.raw, num_warps=4, **launch_options())
     return q_out, k_out, g, beta
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
+from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import preserve_written_slots, shape_class
 
 CHUNK = 64  # the chunk of fla's WY pieces that produce w and u
@@ -62,7 +63,9 @@ def indexed_scan_output_kernel(
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -189,7 +192,7 @@ def indexed_scan_output(
         return (triton.cdiv(V, m["BV"]), N * HV)
 
     if config is None:
-        _tuned_scan_output_kernel[grid](*args, **meta)
+        _tuned_scan_output_kernel[grid](*args, **meta, **launch_options())
     else:
-        indexed_scan_output_kernel[grid](*args, **meta, **config.all_kwargs())
+        indexed_scan_output_kernel[grid](*args, **meta, **config.all_kwargs(), **launch_options())
     return o

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import output_like
 
 
@@ -35,7 +36,9 @@ def silu_mul_fwd_kernel(
     y,  # [T, C] contiguous out
     T, C, stride_g_t, stride_u_t,
     BT: tl.constexpr, BC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_t, i_c = tl.program_id(0), tl.program_id(1)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -55,7 +58,9 @@ def sigmoid_mul_fwd_kernel(
     y,  # [T, H, D] contiguous out
     T, stride_x_t, stride_x_h, stride_g_t, stride_g_h,
     H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -90,7 +95,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return y
     BT, BC = 4, 1024
     silu_mul_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](gate, up, y, T, C, sg, su, BT=BT, BC=BC,
-                                                                    num_warps=4)
+                                                                    num_warps=4, **launch_options())
     return y
 
 
@@ -114,5 +119,6 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = 
     BD = triton.next_power_of_2(D)
     BT = max(1, 2048 // BD)
     sigmoid_mul_fwd_kernel[(triton.cdiv(T, BT), H)](x, gate, y, T, x.stride(0), x.stride(1), gate.stride(0),
-                                                     gate.stride(1), H=H, D=D, BT=BT, BD=BD, num_warps=4)
+                                                     gate.stride(1), H=H, D=D, BT=BT, BD=BD, num_warps=4,
+                                                     **launch_options())
     return y

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import output_like
 
 
@@ -36,7 +37,9 @@ def rms_norm_fwd_kernel(
     stride_x_t, stride_x_h, stride_h_t, stride_h_h, stride_r_t,
     H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
     HAS_RES: tl.constexpr, ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_r = tl.program_id(0)
     o_r = i_r * BR + tl.arange(0, BR)  # [BR] row = (token, head)
     m_r = o_r < R
@@ -86,7 +89,9 @@ def gated_rms_norm_fwd_kernel(
     stride_x_t, stride_x_h, stride_z_t, stride_z_h,
     H: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
     ROUND_W: tl.constexpr,  # weight * normed is rounded to x's dtype (weight and x share it)
+    USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
+    wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_r = tl.program_id(0)
     o_r = i_r * BR + tl.arange(0, BR)
     m_r = o_r < R
@@ -164,7 +169,8 @@ def _launch_rms_norm(x, h, weight, eps, cos, sin):
     rms_norm_fwd_kernel[(triton.cdiv(R, BR),)](
         x, h if h is not None else x, weight, cos if cos is not None else x, sin if sin is not None else x, y, s,
         R, eps, sx_t, sx_h, sh_t, sh_h, sr_t,
-        H=H, D=D, RD=RD, BR=BR, BD=BD, HAS_RES=h is not None, ROPE=cos is not None, num_warps=num_warps)
+        H=H, D=D, RD=RD, BR=BR, BD=BD, HAS_RES=h is not None, ROPE=cos is not None, num_warps=num_warps,
+        **launch_options())
     return y, s
 
 
@@ -225,5 +231,5 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     BR, BD, num_warps = _row_block(D)
     gated_rms_norm_fwd_kernel[(triton.cdiv(R, BR),)](
         x, z, weight, y, R, eps, sx_t, sx_h, sz_t, sz_h, H=H, D=D, BR=BR, BD=BD,
-        ROUND_W=torch.promote_types(weight.dtype, x.dtype) == x.dtype, num_warps=num_warps)
+        ROUND_W=torch.promote_types(weight.dtype, x.dtype) == x.dtype, num_warps=num_warps, **launch_options())
     return y
