@@ -574,3 +574,21 @@ def test_a_fill_is_a_few_torch_calls_whatever_its_size(model, rows):
         st.fill_state(chunks, list(range(n_docs)), table, [0] * n_docs)
     assert len(counted.calls) <= 8, counted.calls
     assert st.tokens[: 300 * n_docs].tolist() == [t for c in chunks for t in c]
+
+
+def test_a_fill_appends_its_ints_as_given():
+    """The fill's C-speed appends (`kev.exec.static_pass._extend` / `_repeat`): lists, ranges (also
+    past the counting array, which then grows), anything iterable, repeats; the same ints as a plain
+    append."""
+    from array import array
+
+    from kev.exec import static_pass
+
+    out = array("q")
+    parts = [[5, -1, 7], range(3, 9), range(70_000, 70_004), (1, 2), range(4, 4), iter([9])]
+    for part in parts:
+        static_pass._extend(out, part)
+    static_pass._repeat(out, -1, 3)
+    static_pass._repeat(out, 8, 0)
+    assert out.tolist() == [5, -1, 7, *range(3, 9), *range(70_000, 70_004), 1, 2, 9, -1, -1, -1]
+    assert len(static_pass._COUNTING) >= 70_004
