@@ -97,7 +97,8 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             x=x, weight=weight, cu_seqlens=cu, conv_pool=conv_pool, read_slots=read, write_slots=write,
             chunk_indices=chunks, split=2 * H * K, config=c)),
         "delta_rule_prep": (one, lambda c: prep.delta_rule_inputs(  # q, k column views of the conv's block
-            qk[:, :H], qk[:, H:], DeltaGates(ab[:, :HV], ab[:, HV:2 * HV], torch.randn(HV), torch.randn(HV)), cu, chunks)),
+            qk[:, :H], qk[:, H:], DeltaGates(ab[:, :HV], ab[:, HV:2 * HV], torch.randn(HV), torch.randn(HV)),
+            cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
         "indexed_scan_output": (scan_output.SCAN_OUTPUT_CONFIGS, lambda c: scan_output.indexed_scan_output(
@@ -140,7 +141,7 @@ def survey(first_only: bool = False) -> list[dict]:
     def compile_instead(*, fn, compile, **_):
         jit = fn.jit_function
         src = jit.ASTSource(jit, compile["signature"], compile["constants"], compile["configs"][0])
-        pdl = compile["constants"].get((jit.arg_names.index("USE_PDL"),), False) if "USE_PDL" in jit.arg_names else False
+        pdl = "USE_PDL" in jit.arg_names and compile["constants"].get((jit.arg_names.index("USE_PDL"),), False)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=compile["num_warps"], num_stages=compile["num_stages"],
                                              launch_pdl=pdl))

@@ -25,9 +25,10 @@ that is a pre-token boundary whatever the text around it (`splits_between_words`
   tokens are matched in the raw text before anything else.
 
 Anything else (a `Metaspace` pre-tokenizer, whose prefix scheme decides what a piece's first word
-becomes; a `Strip` or `Replace` normalizer; an unknown regex) is tokenized whole, as before. The models (BPE, WordLevel, WordPiece, Unigram)
-work within pre-tokens. tests/request/test_pieces.py checks whole == pieces on random texts for a
-byte-level BPE with each regex, and on the word-level tokenizers.
+becomes; a `Strip` or `Replace` normalizer; an unknown regex) is tokenized whole, as before. The
+models (BPE, WordLevel, WordPiece, Unigram) work within pre-tokens. tests/request/test_pieces.py
+checks whole == pieces on random texts for a byte-level BPE with each regex, and on the
+word-level tokenizers.
 """
 
 from __future__ import annotations
