@@ -83,7 +83,8 @@ def test_key_padding_is_bit_exact(interp, key, lens, starts, hv_per_h):
 
     def run(inp, m, pools):
         return (ops.causal_conv(inp["x"], weight, m, pools.conv[0]),
-                ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], DeltaGates.given(inp["g"], inp["beta"]), m, pools.recurrent[0]),
+                ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], DeltaGates.given(inp["g"], inp["beta"]), m,
+                                     pools.recurrent[0]),
                 ops.attention(inp["aq"], inp["ak"], inp["av"], m, pools.keys[0], pools.values[0]))
 
     for name, a, b in zip(("conv", "delta rule", "attention"), run(real, meta, pools_a), run(padded, sp.meta, pools_b)):

@@ -105,7 +105,8 @@ def layer_inputs(T, C, H, HV, K, V, Hq, Hkv, D, g):
 
 def run_ops(ops, inp, meta, pools, weight):
     conv = ops.causal_conv(inp["x"], weight, meta, pools.conv[0])
-    o = ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], DeltaGates.given(inp["g"], inp["beta"]), meta, pools.recurrent[0])
+    gates = DeltaGates.given(inp["g"], inp["beta"])
+    o = ops.gated_delta_rule(inp["q"], inp["k"], inp["v"], gates, meta, pools.recurrent[0])
     a = ops.attention(inp["aq"], inp["ak"], inp["av"], meta, pools.keys[0], pools.values[0])
     return conv, o, a
 

@@ -170,11 +170,12 @@ def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio, ou
     v = qkv[:, 2 * H * K:2 * H * K + HV * V].unflatten(1, (HV, V))
     gate = -torch.rand(T, HV, generator=g) * 0.5
     beta = torch.rand(T, HV, generator=g)
+    gates = DeltaGates.given(gate, beta)
     _, pool = strided_pool(g, (S, HV, K, V))
     pool.mul_(0.3)
     before = pool.clone()
     cu = packed(lens)
-    o = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=cu, state_pool=pool,
+    o = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=pool,
                                                    read_slots=torch.tensor(read), write_slots=torch.tensor(write),
                                                    output_in_scan=output_in_scan)
     # the reference: normalise like TorchOps, expand heads, recur token by token in fp64
@@ -208,6 +209,7 @@ def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathere
     q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
     v, beta = torch.randn(T, HV, V, generator=g), torch.rand(T, HV, generator=g)
     gate = -torch.rand(T, HV, generator=g) * 0.5
+    gates = DeltaGates.given(gate, beta)
     _, pool = strided_pool(g, (S, HV, K, V))
     pool.mul_(0.3)
     pool_alone = pool.clone()
@@ -219,9 +221,9 @@ def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathere
         meta = PassMeta(cu_seqlens=packed(lens), read_slots=read, write_slots=write,
                         prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
                         block_table=torch.zeros(len(lens), 1, dtype=torch.int32), phases=(2, 3))
-        joined = ops.gated_delta_rule(q, k, v, DeltaGates.given(gate, beta), meta, pool)
+        joined = ops.gated_delta_rule(q, k, v, gates, meta, pool)
     else:
-        joined = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=packed(lens),
+        joined = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=packed(lens),
                                                             state_pool=pool, read_slots=read, write_slots=write,
                                                             phases=(2, 3), output_in_scan=output_in_scan)
     start = 0
@@ -235,7 +237,7 @@ def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathere
         start = end
     assert torch.equal(pool, pool_alone)
     with pytest.raises(ValueError, match="phases"):
-        interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=packed(lens),
+        interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=packed(lens),
                                                    state_pool=pool, read_slots=read, write_slots=write, phases=(2, 2))
 
 
@@ -274,11 +276,12 @@ def test_packed_views_bit_identical(interp):
     v = qkv[:, 2 * H * K:].unflatten(1, (HV, V))
     gate, beta = -torch.rand(T, HV, generator=g), torch.rand(T, HV, generator=g)
     pool = torch.randn(3, HV, K, V, generator=g)
+    gates = DeltaGates.given(gate, beta)
     cu, read, write = torch.tensor([0, 30, 70]), torch.tensor([1, 1]), torch.tensor([-1, -1])
-    a = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=DeltaGates.given(gate, beta), cu_seqlens=cu, state_pool=pool,
+    a = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=pool,
                                                    read_slots=read, write_slots=write)
     b = interp.scan.indexed_chunk_gated_delta_rule(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
-                                                   gates=DeltaGates.given(gate, beta), cu_seqlens=cu, state_pool=pool.clone(),
+                                                   gates=gates, cu_seqlens=cu, state_pool=pool.clone(),
                                                    read_slots=read, write_slots=write)
     assert torch.equal(a, b)
     weight = torch.randn(qkv.shape[1] - 8, 4, generator=g)
