@@ -108,6 +108,13 @@ def test_answers_equal_in_process_engine(served):
     assert scorer_metric(stack, 'kev_scorer_document_cache_lookups_total{result="hit"}') >= 1
 
 
+def server_time(client) -> float:
+    """Redis's clock (MONITOR stamps each command with it): a watcher thread that reads the stream
+    late cannot move a command across a window's edge."""
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
 def test_a_cached_request_asks_redis_twice(served):
     """A document the directory holds costs its request two Redis calls: the look-up, whose script
     pins it and returns the epoch the scorer checks its bank by, and the release; no epoch read of
@@ -122,7 +129,7 @@ def test_a_cached_request_asks_redis_twice(served):
             while not stop.is_set():
                 c = monitor.next_command()
                 if c.get("client_type") != "lua":  # a script's own commands come from "lua"
-                    seen.append((time.monotonic(), c["command"].split()[0].upper()))
+                    seen.append((c["time"], c["command"].split()[0].upper()))  # Redis's clock, not the watcher's
 
     watcher = threading.Thread(target=record, daemon=True)
     watcher.start()
@@ -130,16 +137,21 @@ def test_a_cached_request_asks_redis_twice(served):
         stub = scorer_pb2_grpc.ScorerStub(channel)
         assert_same(score(stub, requests[0]), want[0])  # stored (again) if it was evicted
         time.sleep(0.5)  # its registration, if it took a pass, done
-        start = time.monotonic()
+        start = server_time(client)
         for _ in range(20):
             got = score(stub, requests[0])
             assert got.usage.cached_state_tokens == got.usage.document_tokens
-        middle = time.monotonic()
+        middle = server_time(client)
         time.sleep(middle - start)  # as long with no request
-        end = time.monotonic()
-    client.ping()  # one more command, so the watcher reads past the window and stops
+        end = server_time(client)
+    deadline = time.monotonic() + 10
+    while not any(t >= end for t, _ in seen) and time.monotonic() < deadline:  # the watcher past the window
+        client.ping()
+        time.sleep(0.05)
     stop.set()
+    client.ping()  # one more command, so the watcher wakes and stops
     watcher.join(5)
+    assert any(t >= end for t, _ in seen), "the watcher never read past the window"
 
     def count(command, t0, t1):
         return sum(1 for t, c in seen if c == command and t0 <= t < t1)
