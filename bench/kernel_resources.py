@@ -77,7 +77,8 @@ def launchers() -> dict[str, tuple[list, Callable]]:
         paged_prefix.paged_prefix_attention(
             q=qa, k=ka, v=va, cu_seqlens=cu, prefix_lens=torch.tensor([5, 0, 300]), key_pages=pages,
             value_pages=pages.clone(), block_table=torch.zeros(N, 8, dtype=torch.int32), write_slots=write,
-            chunk_indices=attn_chunks, config=config, split=split)
+            chunk_indices=attn_chunks, config=config, split=split,
+            gate=torch.randn(T, HQ, 2 * D, **bf)[..., D:])  # the output gate, a view of the q projection
 
     hidden, mlp, rope = 2560, 9216, 64
     x2, h2, wn = torch.randn(T, hidden, **bf), torch.randn(T, hidden, **bf), torch.randn(hidden, **bf)

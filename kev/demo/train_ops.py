@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from kev.ops.utils import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
+from kev.ops.fused.reference import gated_output
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 from kev.ops.torch_ops import TorchOps, l2_normalize
@@ -158,7 +159,7 @@ class SweepTrainOps(TorchOps):
         orow, _ = run(lay.rows, states[lay.row_doc].reshape(lay.rows.n * HV, K, V))
         return lay.merge(od, orow).to(v.dtype)
 
-    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
+    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         lay = self._layout(meta, q.device)
         Hq, D = q.shape[1], q.shape[2]
         group = Hq // k.shape[1]
@@ -184,4 +185,4 @@ class SweepTrainOps(TorchOps):
         keys = torch.cat([kd[lay.row_doc], lay.rows.pad(k)], dim=1)  # [Nr, Ld+Lr, Hkv, D]
         values = torch.cat([vd[lay.row_doc], lay.rows.pad(v)], dim=1)
         orow = attend(lay.rows.pad(q), keys, values, mask, record=self.record_attention)
-        return lay.merge(lay.docs.unpad(od), lay.rows.unpad(orow))
+        return gated_output(lay.merge(lay.docs.unpad(od), lay.rows.unpad(orow)), gate, out)

@@ -265,7 +265,7 @@ class Attention(nn.Module):
                                  Hq // cfg.num_key_value_heads)
 
         def mix(meta, q, k, v, gate, out):  # one phase's sequences: attention, its output gate
-            return ops.sigmoid_mul(ops.attention(q, k, v, meta, key_pages, value_pages), gate, out=out)
+            return ops.attention(q, k, v, meta, key_pages, value_pages, gate=gate, out=out)
 
         queried = [(s - read, e - read, m) for s, e, m in phases if s >= read]
         if not queried:  # a state pass's last layer: nothing reads its output

@@ -51,7 +51,9 @@ class Ops(Protocol):
         meta: PassMeta,
         key_pages: torch.Tensor,  # [NB, BS, Hkv, D]
         value_pages: torch.Tensor,  # [NB, BS, Hkv, D]
-    ) -> torch.Tensor:  # [T, Hq, D]
+        gate: torch.Tensor | None = None,  # [T, Hq, D] (may be a strided view): the output gate
+        out: torch.Tensor | None = None,  # [T, Hq, D] contiguous to write into (a phase's token slice)
+    ) -> torch.Tensor:  # [T, Hq, D], times sigmoid(gate) when given (fused into the store on GPU)
         ...
 
     def store_kv(
@@ -110,14 +112,6 @@ class Ops(Protocol):
         gate: torch.Tensor,  # [T, F] (may be a column view of a fused gate+up projection)
         up: torch.Tensor,  # [T, F]
     ) -> torch.Tensor:  # [T, F] silu(gate) * up
-        ...
-
-    def sigmoid_mul(
-        self,
-        x: torch.Tensor,  # [T, Hq, D] attention output
-        gate: torch.Tensor,  # [T, Hq, D] (may be a strided view)
-        out: torch.Tensor | None = None,  # [T, Hq, D] contiguous to write into (a phase's token slice)
-    ) -> torch.Tensor:  # [T, Hq, D] x * sigmoid(gate) (`out` when given)
         ...
 
 

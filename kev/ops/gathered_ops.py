@@ -145,7 +145,7 @@ class GatheredOps(TritonOps):
                                               phases=meta.phases, start_states=start_states,
                                               output_in_scan=self.scan_forms_output(meta, q.shape[0]))
 
-    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
+    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         pages, row_table = self.page_plan(meta, key_pages.shape[1])
         n = pages.shape[0]
         kbuf = torch.index_select(key_pages, 0, pages, out=self.buffer("keys", n, key_pages))
@@ -155,4 +155,5 @@ class GatheredOps(TritonOps):
                                       key_pages=kbuf, value_pages=vbuf, block_table=row_table,
                                       write_slots=meta.write_slots, out_key_pages=key_pages,
                                       out_value_pages=value_pages, write_table=meta.block_table,
-                                      chunk_indices=chunks, split=split_attention(meta, q.shape[0]))
+                                      chunk_indices=chunks, split=split_attention(meta, q.shape[0]), gate=gate,
+                                      out=out)

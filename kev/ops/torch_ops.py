@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kev.ops.utils import channel_blocks
 from kev.ops.delta_rule.chunk_torch import chunk_gated_delta_rule
-from kev.ops.fused.reference import ReferenceElementwise
+from kev.ops.fused.reference import ReferenceElementwise, gated_output
 from kev.ops.attention.naive import paged_attention_reference, store_own
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
@@ -59,8 +59,8 @@ class TorchOps(ReferenceElementwise):
                 state_pool[write] = final.detach()
         return out.to(v.dtype)
 
-    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
-        return paged_attention_reference(q, k, v, meta, key_pages, value_pages)
+    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
+        return gated_output(paged_attention_reference(q, k, v, meta, key_pages, value_pages), gate, out)
 
     def store_kv(self, k, v, meta: PassMeta, key_pages, value_pages, group=1):
         tables = meta.block_table.tolist()

@@ -72,7 +72,6 @@ class TritonOps:
     rms_norm_rope = staticmethod(norms.rms_norm_rope)
     gated_rms_norm = staticmethod(norms.gated_rms_norm)
     silu_mul = staticmethod(activations.silu_mul)
-    sigmoid_mul = staticmethod(activations.sigmoid_mul)
 
     def __init__(self, output_in_scan: frozenset[ShapeClass] = OUTPUT_IN_SCAN) -> None:
         self.output_in_scan = frozenset(output_in_scan)
@@ -110,12 +109,12 @@ class TritonOps:
         """Whether this pass's delta rule forms its output in the scan's kernel (by its shape class)."""
         return bool(self.output_in_scan) and meta.pass_class(num_tokens) in self.output_in_scan
 
-    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages):
+    def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))
         return paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens, prefix_lens=meta.prefix_lens,
                                       key_pages=key_pages, value_pages=value_pages, block_table=meta.block_table,
                                       write_slots=meta.write_slots, chunk_indices=chunks,
-                                      split=split_attention(meta, q.shape[0]))
+                                      split=split_attention(meta, q.shape[0]), gate=gate, out=out)
 
     def store_kv(self, k, v, meta: PassMeta, key_pages, value_pages, group: int):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(group))

@@ -193,6 +193,7 @@ def test_kernels_match_references(ratio):
     """Each kernel on its own at the real head dims, against the torch reference."""
     from kev.ops.attention.paged_prefix import paged_prefix_attention
     from kev.ops.conv.indexed_conv import indexed_causal_conv
+    from kev.ops.fused.activations import sigmoid_mul
     from kev.ops.conv.naive import causal_conv_reference
     from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
     from kev.ops.meta import PassMeta
@@ -233,6 +234,13 @@ def test_kernels_match_references(ratio):
         a_ref = TorchOps().attention(x["q"], x["k"], x["v"], wmeta, rkp, rvp)
         print(f"attention (split={split}) rel err:", rel_err(a_ref, a))
         assert rel_err(a_ref, a) <= 2e-2 and torch.equal(kp, rkp) and torch.equal(vp, rvp)
+        # the output gate in the attention's store: the standalone gate kernel's bits after it
+        gate = torch.randn(x["q"].shape[0], x["q"].shape[1], 2 * x["q"].shape[2], device="cuda").bfloat16()
+        gate = gate[..., x["q"].shape[2]:]
+        gated = paged_prefix_attention(q=x["q"], k=x["k"], v=x["v"], cu_seqlens=cu, prefix_lens=x["prefix"],
+                                       key_pages=kp.clone(), value_pages=vp.clone(), block_table=x["table"],
+                                       write_slots=wmeta.write_slots, split=split, gate=gate)
+        assert torch.equal(gated, sigmoid_mul(a, gate)), f"gated attention (split={split})"
 
 
 def test_attention_reads_no_keys_past_a_keys_no_op_entries():

@@ -405,6 +405,44 @@ def test_paged_prefix_attention_matches_reference(interp, poisoned, case, heads,
     assert torch.equal(kbase[outside], kbefore[outside])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+def test_the_output_gate_in_the_attentions_store(interp, poisoned, split, dtype):
+    """gate=: the attention's store gives o * sigmoid(gate), bit for bit what the standalone gate
+    kernel gives after the ungated attention (the same roundings), into a token slice of a larger
+    output with out=, the pages written the same; TorchOps' reference gates the same way."""
+    lens, prefixes, write = ATTN_CASES["T65-mixed"]
+    HQ, HKV, D, BS, NB = 6, 2, 32, 16, 96
+    g = torch.Generator().manual_seed(61)
+    T = sum(lens)
+    qg = torch.randn(T, HQ, 2 * D, generator=g).to(dtype)  # queries and gates interleaved per head, as the model's
+    q, gate = qg[..., :D], qg[..., D:]
+    k, v = torch.randn(T, HKV, D, generator=g).to(dtype), torch.randn(T, HKV, D, generator=g).to(dtype)
+    _, key_pages = strided_pool(g, (NB, BS, HKV, D))
+    _, value_pages = strided_pool(g, (NB, BS, HKV, D))
+    key_pages, value_pages = key_pages.to(dtype), value_pages.to(dtype)
+    meta = paged_meta(g, lens, prefixes, write, NB, BS)
+    pages = [(key_pages.clone(), value_pages.clone()) for _ in range(2)]
+
+    def attend(kp, vp, **kw):
+        return interp.attn.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=meta.cu_seqlens,
+                                                  prefix_lens=meta.prefix_lens, key_pages=kp, value_pages=vp,
+                                                  block_table=meta.block_table, write_slots=meta.write_slots,
+                                                  split=split, **kw)
+
+    apart = interp.activations.sigmoid_mul(attend(*pages[0]), gate)
+    whole = torch.full((T + 7, HQ, D), float("nan"), dtype=dtype)
+    fused = attend(*pages[1], gate=gate, out=whole[3:3 + T])
+    assert fused.data_ptr() == whole[3].data_ptr() and torch.equal(fused, apart)
+    assert whole[:3].isnan().all() and whole[3 + T:].isnan().all()
+    assert all(torch.equal(a, b) for a, b in zip(pages[0], pages[1]))
+    if dtype == torch.float32:  # (the interpreter's bf16 dots are not the GPU's: the GPU suite checks bf16)
+        ref = TorchOps().attention(q, k, v, meta, key_pages.clone(), value_pages.clone(), gate=gate)
+        assert rel_err(ref, fused) <= 1e-5
+    with pytest.raises(ValueError, match="gate"):
+        attend(*pages[1], gate=gate[:, :, :8])
+
+
 @pytest.mark.parametrize("heads", [(2, 2), (6, 2)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("case", ATTN_CASES, ids=list(ATTN_CASES))
 def test_paged_store_writes_what_attention_writes(interp, poisoned, case, heads):

@@ -33,9 +33,10 @@ import triton
 import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
-from kev.ops.shapes import ShapeClass, classify_seqs
+from kev.ops.fused.activations import times_sigmoid
 from kev.ops.pdl import launch_options, wait_for_previous
-from kev.ops.utils import shape_class
+from kev.ops.shapes import ShapeClass, classify_seqs
+from kev.ops.utils import output_like, shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
 # and break bit-identical results across configs. NV (value splits) is tuned: NV programs of one
@@ -190,17 +191,25 @@ def _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale
 
 
 @triton.jit
-def _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+def _finish(b_m, b_l, b_acc, o, gate, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
             out_key_pages, out_value_pages, write_table, write_slots,
             stride_k_t, stride_k_h, stride_v_t, stride_v_h,
             stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
-            HQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr):
-    """Normalise and store the output; store the block's own K/V into its pages, once per
-    (token, kv head, feature slice)."""
+            stride_g_t, stride_g_h,
+            HQ: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, GATED: tl.constexpr):
+    """Normalise and store the output (GATED: times sigmoid(gate), the attention output gate, with
+    `sigmoid_mul`'s roundings: the same bits as that kernel after this one); store the block's own
+    K/V into its pages, once per (token, kv head, feature slice)."""
     m_v = o_v < D
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    m_o = m_r[:, None] & m_v[None, :]
+    DT: tl.constexpr = o.dtype.element_ty
+    b_o = (b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]).to(DT)
+    if GATED:
+        b_g = tl.load(gate + (bos + t_r)[:, None] * stride_g_t + h_r[:, None] * stride_g_h + o_v[None, :], mask=m_o,
+                      other=0.0).to(tl.float32)
+        b_o = times_sigmoid(b_o.to(tl.float32), b_g, DT)
     p_o = o + (bos + t_r)[:, None] * (HQ * D) + h_r[:, None] * D + o_v[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+    tl.store(p_o, b_o, mask=m_o)
 
     _store_own_kv(k, v, out_key_pages, out_value_pages, write_table, write_slots, bos, L, i_n, i_t, i_kvh,
                   prefix, o_v, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b, stride_okp_s,
@@ -240,19 +249,19 @@ def _fresh(BR: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+def _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, gate, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
                          out_key_pages, out_value_pages, write_table, write_slots, qk_scale,
                          stride_k_t, stride_k_h, stride_v_t, stride_v_h,
                          stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h,
-                         stride_wt_n, HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr):
+                         stride_wt_n, stride_g_t, stride_g_h, HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                         BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr):
     """The softmax continued over the block's own keys, then its output and own K/V stored."""
     b_m, b_l, b_acc = _own_keys(b_q, b_m, b_l, b_acc, k, v, bos, L, i_t, t_r, i_kvh, o_v, qk_scale,
                                 stride_k_t, stride_k_h, stride_v_t, stride_v_h, D, BD, BM, BN)
-    _finish(b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
+    _finish(b_m, b_l, b_acc, o, gate, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v, out_key_pages,
             out_value_pages, write_table, write_slots, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
             stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
-            HQ, D, BS, BM)
+            stride_g_t, stride_g_h, HQ, D, BS, BM, GATED)
 
 
 @triton.jit
@@ -284,6 +293,7 @@ def paged_prefix_attn_fwd_kernel(
     q,  # [T, Hq, D]
     k, v,  # [T, Hkv, D]
     o,  # [T, Hq, D] contiguous out
+    gate,  # GATED: [T, Hq, D] through (stride_g_t, stride_g_h): the output is o * sigmoid(gate)
     key_pages, value_pages,  # [NB, BS, Hkv, D] read through read_table
     out_key_pages, out_value_pages,  # [NB', BS, Hkv, D] written through write_table
     read_table, write_table,  # [N, MB] int page ids
@@ -294,10 +304,10 @@ def paged_prefix_attn_fwd_kernel(
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_kp_b, stride_kp_s, stride_kp_h, stride_vp_b, stride_vp_s, stride_vp_h,
     stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h,
-    stride_rt_n, stride_wt_n,
+    stride_rt_n, stride_wt_n, stride_g_t, stride_g_h,
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     """One program per (query block, kv head, value slice): the prefix, then the own keys."""
@@ -314,10 +324,11 @@ def paged_prefix_attn_fwd_kernel(
     b_m, b_l, b_acc = _prefix_keys(b_q, b_m, b_l, b_acc, key_pages, value_pages, read_table + i_n * stride_rt_n,
                                    0, prefix, i_kvh, o_v, qk_scale, stride_kp_b, stride_kp_s, stride_kp_h,
                                    stride_vp_b, stride_vp_s, stride_vp_h, D, BD, BS, BN)
-    _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+    _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, gate, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
                          out_key_pages, out_value_pages, write_table, write_slots, qk_scale,
                          stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b, stride_okp_s, stride_okp_h,
-                         stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, HQ, D, BD, BS, BM, BN)
+                         stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, stride_g_t, stride_g_h,
+                         HQ, D, BD, BS, BM, BN, GATED)
 
 
 @triton.jit(do_not_specialize=["T", "N_CLASS", "T_CLASS"])
@@ -356,13 +367,14 @@ def paged_prefix_span_kernel(
 
 @triton.jit(do_not_specialize=["T", "N_CLASS", "T_CLASS"])
 def paged_prefix_finish_kernel(
-    q, k, v, o, ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots,
+    q, k, v, o, gate, ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots,
     cu_seqlens, chunk_indices, qk_scale, T,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_okp_b, stride_okp_s, stride_okp_h, stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n,
+    stride_g_t, stride_g_h,
     N_CLASS, T_CLASS,  # shape-class autotune keys only
     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, NS: tl.constexpr,
+    BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, NV: tl.constexpr, NS: tl.constexpr, GATED: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     """Split mode, step 2: per (query block, kv head, value slice), the prefix spans' partials
@@ -387,10 +399,11 @@ def paged_prefix_finish_kernel(
         b_l = b_l * b_alpha + l_s * b_beta
         b_acc = b_acc * b_alpha[:, None] + acc_s * b_beta[:, None]
         b_m = b_m_new
-    _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
+    _own_keys_and_finish(b_q, b_m, b_l, b_acc, o, gate, t_r, h_r, m_r, o_v, bos, L, i_n, i_t, i_kvh, prefix, k, v,
                          out_key_pages, out_value_pages, write_table, write_slots, qk_scale,
                          stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_okp_b, stride_okp_s, stride_okp_h,
-                         stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, HQ, D, BD, BS, BM, BN)
+                         stride_ovp_b, stride_ovp_s, stride_ovp_h, stride_wt_n, stride_g_t, stride_g_h,
+                         HQ, D, BD, BS, BM, BN, GATED)
 
 
 @triton.jit
@@ -447,6 +460,8 @@ def paged_prefix_attention(
     split: bool | None = None,
     spans: int = PREFIX_SPANS,
     block_m: int | None = None,
+    gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence over its paged prefix plus its own keys; stores its own K/V.
 
@@ -469,7 +484,11 @@ def paged_prefix_attention(
                    PREFIX_SPANS; other counts are for benchmarks)
     block_m:       query tokens per program (default `query_block(Hq // Hkv)`; others for benchmarks:
                    `chunk_indices` must then be built with it)
-    Returns o: [T, Hq, D] contiguous, q's dtype.
+    gate:          [T, Hq, D] in q's dtype (unit stride over D; a column view of the q projection is
+                   fine): the output is o * sigmoid(gate), the attention output gate, in the store
+                   (the bits of `kev.ops.fused.activations.sigmoid_mul` after the ungated attention)
+    out:           [T, Hq, D] contiguous, q's dtype, to write the output into (a phase's token slice)
+    Returns o: [T, Hq, D] contiguous, q's dtype (`out` when given).
     """
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} must be [T, Hq, D], k {tuple(k.shape)} and v {tuple(v.shape)} "
@@ -503,7 +522,11 @@ def paged_prefix_attention(
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, BM)
     chunk_indices = chunk_indices.contiguous()
-    o = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    o = output_like(q, out)
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} must be like q {tuple(q.shape)} {q.dtype}, unit "
+                         f"stride over D (strides {gate.stride()})")
+    gated = (gate, gate.stride(0), gate.stride(1)) if gate is not None else (o, 0, 0)  # unread when not gated
     NT = chunk_indices.shape[0]
     if NT == 0:
         return o
@@ -512,15 +535,18 @@ def paged_prefix_attention(
     n_class, t_class = shape_class(N, T)
     meta = dict(HQ=HQ, G=G, D=D, BD=BD, BS=BS, BM=BM, BR=max(16, triton.next_power_of_2(BM * G)),
                 BN=block_n or (64 if BD <= 128 else 32))
+    attn_meta = {**meta, "GATED": gate is not None}  # the kernels that store the output
     qk_scale = scale * 1.4426950408889634
     split = split_mode(classify_seqs(N, T)) if split is None else split
     if not split:
-        args = (q, k, v, o, key_pages, value_pages, out_key_pages, out_value_pages, block_table, write_table,
-                prefix_lens, write_slots, cu_seqlens, chunk_indices, qk_scale,
+        args = (q, k, v, o, gated[0], key_pages, value_pages, out_key_pages, out_value_pages, block_table,
+                write_table, prefix_lens, write_slots, cu_seqlens, chunk_indices, qk_scale,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 *key_pages.stride()[:3], *value_pages.stride()[:3], *out_key_pages.stride()[:3],
-                *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), n_class, t_class)
-        _launch(paged_prefix_attn_fwd_kernel, _tuned_attn_kernel, config, lambda m: (NT, HKV, m["NV"]), args, meta)
+                *out_value_pages.stride()[:3], block_table.stride(0), write_table.stride(0), *gated[1:],
+                n_class, t_class)
+        _launch(paged_prefix_attn_fwd_kernel, _tuned_attn_kernel, config, lambda m: (NT, HKV, m["NV"]), args,
+                attn_meta)
         return o
     if spans < 1:
         raise ValueError(f"spans must be >= 1, got {spans}")
@@ -531,12 +557,12 @@ def paged_prefix_attention(
                  block_table.stride(0), n_class, t_class)
     _launch(paged_prefix_span_kernel, _tuned_span_kernel, config, lambda m: (NT, HKV, m["NV"] * spans),
             span_args, {**meta, "NS": spans})
-    finish_args = (q, k, v, o, ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens, write_slots,
-                   cu_seqlens, chunk_indices, qk_scale, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                   v.stride(0), v.stride(1), *out_key_pages.stride()[:3], *out_value_pages.stride()[:3],
-                   write_table.stride(0), n_class, t_class)
+    finish_args = (q, k, v, o, gated[0], ws_acc, ws_ml, out_key_pages, out_value_pages, write_table, prefix_lens,
+                   write_slots, cu_seqlens, chunk_indices, qk_scale, T, q.stride(0), q.stride(1), k.stride(0),
+                   k.stride(1), v.stride(0), v.stride(1), *out_key_pages.stride()[:3], *out_value_pages.stride()[:3],
+                   write_table.stride(0), *gated[1:], n_class, t_class)
     _launch(paged_prefix_finish_kernel, _tuned_finish_kernel, config, lambda m: (NT, HKV, m["NV"]), finish_args,
-            {**meta, "NS": spans})
+            {**attn_meta, "NS": spans})
     return o
 
 

@@ -2,7 +2,9 @@
 
 - `silu_mul(gate, up)`: the MLP's silu(gate) * up, gate and up column views of one fused
   gate+up projection (read in place through their row stride).
-- `sigmoid_mul(x, gate)`: the attention output gate x * sigmoid(gate), gate a strided view.
+- `sigmoid_mul(x, gate)`: the attention output gate x * sigmoid(gate), gate a strided view. Serving
+  fuses it into the attention's store (`times_sigmoid`, kev/ops/attention/paged_prefix.py); this
+  kernel is that store's bit-for-bit oracle in the tests.
 
 The DeltaNet gates are formed inside the delta rule's first kernel (`kev.ops.delta_rule.prep`).
 
@@ -28,6 +30,16 @@ from kev.ops.utils import output_like
 def round_to(x, DT: tl.constexpr):
     """x rounded to DT and back to fp32 (a no-op for fp32)."""
     return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def times_sigmoid(b_x, b_g, DT: tl.constexpr):
+    """x * sigmoid(gate) in DT, x and gate fp32 tiles holding DT values: the attention output gate,
+    with the reference's roundings (`sigmoid_mul` here; fused into the attention's store:
+    kev/ops/attention/paged_prefix.py)."""
+    b_d = round_to(1.0 + round_to(tl.exp(-b_g), DT), DT)
+    b_s = round_to(tl.math.div_rn(1.0, b_d), DT)  # sigmoid(gate) in gate's dtype
+    return (b_x * b_s).to(DT)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -69,9 +81,7 @@ def sigmoid_mul_fwd_kernel(
     b_x = tl.load(x + o_t[:, None] * stride_x_t + i_h * stride_x_h + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     b_g = tl.load(gate + o_t[:, None] * stride_g_t + i_h * stride_g_h + o_d[None, :], mask=m,
                   other=0.0).to(tl.float32)
-    b_d = round_to(1.0 + round_to(tl.exp(-b_g), DT), DT)
-    b_s = round_to(tl.math.div_rn(1.0, b_d), DT)  # sigmoid(gate) in gate's dtype
-    tl.store(y + (o_t[:, None] * H + i_h) * D + o_d[None, :], (b_x * b_s).to(DT), mask=m)
+    tl.store(y + (o_t[:, None] * H + i_h) * D + o_d[None, :], times_sigmoid(b_x, b_g, DT), mask=m)
 
 
 def _row_stride(name: str, t: torch.Tensor) -> int:

@@ -63,6 +63,12 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = 
     return _written(x * sigmoid(gate), out)
 
 
+def gated_output(o: torch.Tensor, gate: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """An attention output as `Ops.attention` returns it: times sigmoid(gate) when given, into `out`
+    when given."""
+    return sigmoid_mul(o, gate, out=out) if gate is not None else _written(o, out)
+
+
 def _written(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """`y`, or `out` holding it (checked as the kernels check theirs)."""
     return y if out is None else output_like(y, out).copy_(y)
@@ -83,4 +89,3 @@ class ReferenceElementwise:
     rms_norm_rope = staticmethod(rms_norm_rope)
     gated_rms_norm = staticmethod(gated_rms_norm)
     silu_mul = staticmethod(silu_mul)
-    sigmoid_mul = staticmethod(sigmoid_mul)
