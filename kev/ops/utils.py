@@ -1,9 +1,21 @@
-"""Helpers every kernel package shares: output buffers, the kernels' own autotune buckets, and the
-autotune hooks that keep a benchmark run from changing the bank."""
+"""Helpers every kernel package shares: output buffers, the kernels' own autotune buckets, the
+autotune hooks that keep a benchmark run from changing the bank, and the read of a chunk-list entry."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_entry(chunk_indices, cu_seqlens, i_ct):
+    """(sequence, chunk within it, its first token, its length) of chunk-list entry i_ct (fla's
+    `prepare_chunk_indices` layout: [NT, 2] pairs), int64."""
+    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
+    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    return i_n, i_t, bos, tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
 
 
 def output_like(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

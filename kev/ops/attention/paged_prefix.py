@@ -36,7 +36,7 @@ from fla.ops.utils.index import prepare_chunk_indices
 from kev.ops.fused.activations import times_sigmoid
 from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.shapes import ShapeClass, classify_seqs
-from kev.ops.utils import output_like, shape_class
+from kev.ops.utils import chunk_entry, output_like, shape_class
 
 # BN is fixed per head dim (not tuned): a different key tile would change the online-softmax order
 # and break bit-identical results across configs. NV (value splits) is tuned: NV programs of one
@@ -270,10 +270,7 @@ def _block(chunk_indices, cu_seqlens, prefix_lens, i_ct, BM: tl.constexpr):
     past its sequence's end (a CUDA-graph bucket's rows shorter than its L, or a no-op entry of a
     STATE bucket's list) has no query: it reads as length 0 and prefix 0, so it walks no keys
     (it stored nothing either way, but walked the whole prefix and the sequence's own keys)."""
-    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    i_n, i_t, bos, L = chunk_entry(chunk_indices, cu_seqlens, i_ct)
     prefix = tl.load(prefix_lens + i_n).to(tl.int64)
     live = i_t * BM < L
     return i_n, i_t, bos, tl.where(live, L, 0), tl.where(live, prefix, 0)

@@ -28,7 +28,7 @@ import triton.language as tl
 from fla.ops.utils.index import prepare_chunk_indices
 
 from kev.ops.pdl import launch_options, wait_for_previous
-from kev.ops.utils import preserve_written_slots, shape_class
+from kev.ops.utils import chunk_entry, preserve_written_slots, shape_class
 
 CONV_CHUNK = 64  # tokens per program: the same chunking as the delta rule, so one chunk_indices serves both
 
@@ -72,10 +72,7 @@ def indexed_conv_fwd_kernel(
 ):
     wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_c, i_ct = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    i_n, i_t, bos, L = chunk_entry(chunk_indices, cu_seqlens, i_ct)
 
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C

@@ -33,8 +33,7 @@ from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
-from kev.ops.delta_rule.prep import CHUNK as PREP_CHUNK
-from kev.ops.delta_rule.prep import delta_rule_inputs
+from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
 from kev.ops.delta_rule.scan_output import indexed_scan_output
 from kev.ops.gates import DeltaGates
 from kev.ops.pdl import launch_options, wait_for_previous
@@ -43,8 +42,6 @@ from kev.ops.utils import preserve_written_slots, shape_class
 # (first sequence, end sequence) -> (pool, read slots [n1 - n0]) the sequences' state passes start from
 StartStates = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
-CHUNK = 64  # BT of every chunked piece (fla's fused KK^T solve needs 64)
-assert PREP_CHUNK == CHUNK
 
 # The [K, BV] fp32 state lives in registers. Compiled for sm_90 at Kev-4B's heads
 # (bench/kernel_resources.py), the 2-warp configs spill 32-616 bytes a thread and the 4-warp ones

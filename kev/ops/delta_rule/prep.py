@@ -25,8 +25,9 @@ from fla.ops.utils.constant import RCP_LN2
 from kev.ops.fused.activations import round_to
 from kev.ops.gates import DeltaGates
 from kev.ops.pdl import launch_options, wait_for_previous
+from kev.ops.utils import chunk_entry
 
-CHUNK = 64  # the delta rule's chunk (kev.ops.delta_rule.indexed_scan.CHUNK)
+CHUNK = 64  # BT of every chunked piece of the delta rule (fla's fused KK^T solve needs 64)
 L2_EPS = 1e-6  # x / sqrt(|x|^2 + eps), as the reference (kev.ops.torch_ops.l2_normalize)
 
 
@@ -56,10 +57,7 @@ def delta_rule_prep_kernel(
 ):
     wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
     i_ct, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_ct * 2).to(tl.int64)
-    i_t = tl.load(chunk_indices + i_ct * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    i_n, i_t, bos, L = chunk_entry(chunk_indices, cu_seqlens, i_ct)
     o_t = i_t * BT + tl.arange(0, BT)  # [BT] token inside the sequence
     m_t = o_t < L  # a chunk-list entry past its sequence's end (a CUDA-graph key's no-op) masks all
     tok = bos + o_t
