@@ -278,11 +278,27 @@ class Attention(nn.Module):
 
 def rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype):
     """cos/sin [T, rotary_dim] for 1-D positions (Qwen3.5's mRoPE reduces to this for text)."""
-    rdim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rdim, 2, dtype=torch.float32, device=positions.device) / rdim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rdim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
+    emb = positions[:, None] * _rope_frequencies(cfg, positions.device)  # [T, rdim], fp32 (int64 * fp32)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+_FREQUENCIES: dict[tuple[float, int, torch.device], torch.Tensor] = {}
+
+
+def _rope_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """[rdim] fp32: the inverse frequencies, twice (rotate-half layout). Made once per device, by the
+    same ops a pass made them with before (the same bits), outside any CUDA graph capture: a capture
+    records kernels without running them, so a tensor first made there would hold nothing for an
+    eager pass. Inside a capture, before any eager pass made them, they are made as part of it."""
+    rdim = cfg.rotary_dim
+    key = (cfg.rope_theta, rdim, device)
+    freqs = _FREQUENCIES.get(key)
+    if freqs is None:
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rdim, 2, dtype=torch.float32, device=device) / rdim))
+        freqs = torch.cat([inv_freq, inv_freq])
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _FREQUENCIES[key] = freqs
+    return freqs
 
 
 class MLP(nn.Module):
