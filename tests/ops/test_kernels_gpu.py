@@ -38,6 +38,12 @@ SLOTS = (6, 0, 3, 5, 1, 2)  # slot of each document (slot 4 stays empty)
 
 RATIOS = (1, 2, 3)  # value heads per key head
 
+# The delta rule's output inside its state kernel (`scan_output`, e967f36) faulted on its first GPU run
+# (H200, 62a61df: an illegal memory access while autotuning rows of 1/17/64/129 tokens; rows of at most
+# 64 passed), and a fault ends every later CUDA call of the process. It is off by default
+# (`kev.ops.triton_ops.OUTPUT_IN_SCAN` is empty): its GPU checks wait until it is fixed.
+SCAN_OUTPUT_FAULTS = "scan_output: illegal memory access on its first GPU run (62a61df); off by default"
+
 
 @pytest.fixture(scope="module", params=RATIOS, ids=lambda r: f"hv_per_h={r}")
 def setup(request):
@@ -70,7 +76,8 @@ def make_rows(n_rows, seed):
     return rows, read
 
 
-@pytest.mark.parametrize("output_in_scan", [False, True], ids=["split", "output_in_scan"])
+@pytest.mark.parametrize("output_in_scan", [False, pytest.param(True, marks=pytest.mark.skip(reason=SCAN_OUTPUT_FAULTS))],
+                         ids=["split", "output_in_scan"])
 @pytest.mark.parametrize("n_rows", [1, 3, 8, 17, 96], ids=lambda n: f"rows={n}")
 def test_indexed_equals_gathered_bitwise(setup, n_rows, output_in_scan):
     model, pools, table, doc_lens = setup["model"], setup["banks"]["triton"], setup["table"], setup["doc_lens"]
@@ -145,7 +152,7 @@ def kernel_inputs(seed=0, n=17, ratio=2):
 def test_every_autotune_config_bit_identical(ratio):
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan, scan_output
+    from kev.ops.delta_rule import indexed_scan
 
     x = kernel_inputs(ratio=ratio)
     H, HV, K, V = x["H"], x["HV"], x["K"], x["V"]
@@ -175,10 +182,9 @@ def test_every_autotune_config_bit_identical(ratio):
                                                 split=split)
         return o, kp, vp
 
+    # not "scan with output" (functools.partial(scan, output_in_scan=True), SCAN_OUTPUT_CONFIGS): SCAN_OUTPUT_FAULTS
     for name, fn, configs in (("conv", conv, indexed_conv.CONV_CONFIGS), ("scan", scan, indexed_scan.SCAN_CONFIGS),
-                              ("scan with output", functools.partial(scan, output_in_scan=True),
-                               scan_output.SCAN_OUTPUT_CONFIGS), ("attention", attn,
-                                                                          paged_prefix.ATTN_CONFIGS),
+                              ("attention", attn, paged_prefix.ATTN_CONFIGS),
                               ("split attention", functools.partial(attn, split=True), paged_prefix.ATTN_CONFIGS)):
         first = fn(configs[0])
         assert all(torch.isfinite(t.float()).all() for t in first), name
@@ -216,7 +222,7 @@ def test_kernels_match_references(ratio):
     ref_spool = x["state_pool"].clone()
     gates = DeltaGates.given(x["g"], x["beta"])
     o_ref = TorchOps().gated_delta_rule(q, k, v, gates, meta, ref_spool)
-    for output_in_scan in (False, True):  # chunk_fwd_o after the scan, or the output in the scan's kernel
+    for output_in_scan in (False,):  # chunk_fwd_o after the scan; not (yet) the output in the scan: SCAN_OUTPUT_FAULTS
         spool = x["state_pool"].clone()
         o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=spool,
                                            read_slots=read, write_slots=write, output_in_scan=output_in_scan)
