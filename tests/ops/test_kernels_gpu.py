@@ -17,6 +17,7 @@ gate/up are column views of one buffer) and the fused norm/activation kernels of
 """
 
 import functools
+import os
 
 import pytest
 import torch
@@ -41,8 +42,10 @@ RATIOS = (1, 2, 3)  # value heads per key head
 # The delta rule's output inside its state kernel (`scan_output`, e967f36) faulted on its first GPU run
 # (H200, 62a61df: an illegal memory access while autotuning rows of 1/17/64/129 tokens; rows of at most
 # 64 passed), and a fault ends every later CUDA call of the process. It is off by default
-# (`kev.ops.triton_ops.OUTPUT_IN_SCAN` is empty): its GPU checks wait until it is fixed.
+# (`kev.ops.triton_ops.OUTPUT_IN_SCAN` is empty): its GPU checks run only when asked for
+# (KEV_SCAN_OUTPUT_GPU=1, in a process of their own) until a run shows it fixed.
 SCAN_OUTPUT_FAULTS = "scan_output: illegal memory access on its first GPU run (62a61df); off by default"
+SCAN_OUTPUT_ASKED = os.environ.get("KEV_SCAN_OUTPUT_GPU") == "1"
 
 
 @pytest.fixture(scope="module", params=RATIOS, ids=lambda r: f"hv_per_h={r}")
@@ -76,7 +79,7 @@ def make_rows(n_rows, seed):
     return rows, read
 
 
-@pytest.mark.parametrize("output_in_scan", [False, pytest.param(True, marks=pytest.mark.skip(reason=SCAN_OUTPUT_FAULTS))],
+@pytest.mark.parametrize("output_in_scan", [False, pytest.param(True, marks=pytest.mark.skipif(not SCAN_OUTPUT_ASKED, reason=SCAN_OUTPUT_FAULTS))],
                          ids=["split", "output_in_scan"])
 @pytest.mark.parametrize("n_rows", [1, 3, 8, 17, 96], ids=lambda n: f"rows={n}")
 def test_indexed_equals_gathered_bitwise(setup, n_rows, output_in_scan):
