@@ -90,49 +90,32 @@ def indexed_scan_output_kernel(
     p_u = u + bos * stride_u_t + i_h * V
     p_o = o + (bos * HV + i_h) * V
     p_g = g + bos * stride_g_t + i_h
-    # Every chunk but the last carries the state on; the last only when its final state is written
-    # (never for a row). The branch sits outside the loop: the first GPU run, with it inside, faulted
-    # on rows over several chunks (62a61df), and the split path's loop, which has none, did not (our
-    # guess at the cause: the loop's software pipelining across a branch holding dots).
-    for i_t in range(NT - 1):  # no .to() on i_t: the interpreter's range yields Python ints
-        b_k, b_v, b_g, m_t = chunk_output(b_h, i_t, L, p_q, p_k, p_w, p_u, p_g, p_o, o_c, o_k, m_k, o_v, m_v, scale,
-                                          stride_q_t, stride_k_t, stride_w_t, stride_u_t, stride_g_t, HV, V, BT)
-        b_h = next_state(b_h, b_k, b_v, b_g, p_g, stride_g_t, i_t, L, m_t, BT)
-    if NT > 0:
-        i_t = NT - 1
-        b_k, b_v, b_g, m_t = chunk_output(b_h, i_t, L, p_q, p_k, p_w, p_u, p_g, p_o, o_c, o_k, m_k, o_v, m_v, scale,
-                                          stride_q_t, stride_k_t, stride_w_t, stride_u_t, stride_g_t, HV, V, BT)
-        if b_write >= 0:
+    for i_t in range(NT):  # no .to() on i_t: the interpreter's range yields Python ints
+        o_t = i_t * BT + o_c
+        m_t = o_t < L
+        b_hc = b_h.to(k.dtype.element_ty)  # the chunk-start state as the split path stores it
+        b_v = corrected_values(b_hc, p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v, stride_w_t, stride_u_t)
+        b_vc = b_v.to(u.dtype.element_ty)  # as the split path stores it
+
+        b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
+        b_q = tl.load(p_q + o_t[:, None] * stride_q_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        # [BT, BK] @ [BK, BV] -> [BT, BV]
+        b_o = tl.dot(b_q, b_hc) * tl.exp2(b_g)[:, None]
+        # [BT, BK] @ [BK, BT] -> [BT, BT]
+        b_A = tl.dot(b_q, b_k) * tl.exp2(b_g[:, None] - b_g[None, :])
+        b_A = tl.where((o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :], b_A, 0.0)
+        # [BT, BT] @ [BT, BV] -> [BT, BV]
+        b_o = b_o * scale + tl.dot(b_A.to(b_vc.dtype), b_vc) * scale
+        tl.store(p_o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+        # the update; a sequence's last chunk needs it only when its final state is written
+        if (i_t + 1 < NT) | (b_write >= 0):
             b_h = next_state(b_h, b_k, b_v, b_g, p_g, stride_g_t, i_t, L, m_t, BT)
 
     write_slot_state(b_h, out_pool, write_slots, i_n, i_h, o_k, o_v, m_kv,
                      stride_o_s, stride_o_h, stride_o_k, stride_o_v)
-
-
-@triton.jit
-def chunk_output(b_h, i_t, L, p_q, p_k, p_w, p_u, p_g, p_o, o_c, o_k, m_k, o_v, m_v, scale,
-                 stride_q_t, stride_k_t, stride_w_t, stride_u_t, stride_g_t,
-                 HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """Chunk i_t's output, stored; returns what its state update reads: (K^T [BK, BT], V' fp32, G, mask)."""
-    o_t = i_t * BT + o_c
-    m_t = o_t < L
-    b_hc = b_h.to(p_k.dtype.element_ty)  # the chunk-start state as the split path stores it
-    b_v = corrected_values(b_hc, p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v, stride_w_t, stride_u_t)
-    b_vc = b_v.to(p_u.dtype.element_ty)  # as the split path stores it
-
-    b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
-    b_q = tl.load(p_q + o_t[:, None] * stride_q_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    # [BT, BK] @ [BK, BV] -> [BT, BV]
-    b_o = tl.dot(b_q, b_hc) * tl.exp2(b_g)[:, None]
-    # [BT, BK] @ [BK, BT] -> [BT, BT]
-    b_A = tl.dot(b_q, b_k) * tl.exp2(b_g[:, None] - b_g[None, :])
-    b_A = tl.where((o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :], b_A, 0.0)
-    # [BT, BT] @ [BT, BV] -> [BT, BV]
-    b_o = b_o * scale + tl.dot(b_A.to(b_vc.dtype), b_vc) * scale
-    tl.store(p_o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(p_o.dtype.element_ty),
-             mask=m_t[:, None] & m_v[None, :])
-    return b_k, b_v, b_g, m_t
 
 
 _save, _restore = preserve_written_slots("out_pool", "write_slots")
