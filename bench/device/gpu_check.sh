@@ -19,6 +19,7 @@
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-a single" # a cold first call: half the tests, the figures
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-b perf"   # the next, cache carried (.triton_carry)
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh tests-c          # tests-b without its kernels (tests-b = kernels + tests-c)
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh scan-faults      # scan_output's faulting configs (bench/scan_output_faults.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -71,11 +72,14 @@ for what in "${@:-tests perf}"; do
                 step single_request_no_pdl 150 python3 -m bench.single_request --no-pdl \
                     --out "$OUT/single_request_no_pdl.json" --reps 15
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 ;;
+            scan-faults)  # which scan_output configs fault on which sequences, one process each (~2 s a run warm)
+                step scan_output_faults "${KEV_LIMIT_FAULTS:-240}" python3 -m bench.scan_output_faults \
+                    --out "$OUT/scan_output_faults.json" --sanitizer ;;
             floors)
                 step row_pass 150 python3 -m bench.row_pass --out "$OUT/row_pass.json" \
                     --kernels-out "$OUT/row_pass_kernels.json"
                 step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, perf, single, ab, delta-ab, pdl-ab, floors)"
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, perf, single, ab, delta-ab, pdl-ab, scan-faults, floors)"
                exit 2 ;;
         esac
     done
