@@ -296,7 +296,10 @@ def _rope_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
     if freqs is None:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rdim, 2, dtype=torch.float32, device=device) / rdim))
         freqs = torch.cat([inv_freq, inv_freq])
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if device.type != "cuda":
+            _FREQUENCIES[key] = freqs
+        elif not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(device).synchronize()  # made before a pass on another stream reads them
             _FREQUENCIES[key] = freqs
     return freqs
 
