@@ -88,6 +88,7 @@ def main() -> None:
 
     sanitizer = shutil.which("compute-sanitizer") if args.sanitizer else None
     env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    device = torch.cuda.get_device_name()
     results = {}
     for case in CASES:
         for i, config in enumerate(SCAN_OUTPUT_CONFIGS):
@@ -104,7 +105,7 @@ def main() -> None:
             results[f"{case} / {config}"] = entry
             print(case, config, "FAULT" if entry.get("fault") else entry, flush=True)
             with open(args.out, "w") as f:  # after every run: a call cut short keeps what it found
-                json.dump({"device": torch.cuda.get_device_name(), "sanitizer": sanitizer, "results": results}, f,
+                json.dump({"device": device, "sanitizer": sanitizer, "results": results}, f,
                           indent=1)
 
 

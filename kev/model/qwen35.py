@@ -286,21 +286,21 @@ _FREQUENCIES: dict[tuple[float, int, torch.device], torch.Tensor] = {}
 
 
 def _rope_frequencies(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    """[rdim] fp32: the inverse frequencies, twice (rotate-half layout). Made once per device, by the
-    same ops a pass made them with before (the same bits), outside any CUDA graph capture: a capture
-    records kernels without running them, so a tensor first made there would hold nothing for an
-    eager pass. Inside a capture, before any eager pass made them, they are made as part of it."""
+    """[rdim] fp32: the inverse frequencies, twice (rotate-half layout), made by the ops every pass
+    once made them with (the same bits) and cached per device. Not cached when first made inside a
+    CUDA graph capture: a capture records kernels without running them, so the tensor would hold
+    nothing for an eager pass."""
     rdim = cfg.rotary_dim
     key = (cfg.rope_theta, rdim, device)
     freqs = _FREQUENCIES.get(key)
     if freqs is None:
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rdim, 2, dtype=torch.float32, device=device) / rdim))
         freqs = torch.cat([inv_freq, inv_freq])
-        if device.type != "cuda":
-            _FREQUENCIES[key] = freqs
-        elif not torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return freqs
             torch.cuda.current_stream(device).synchronize()  # made before a pass on another stream reads them
-            _FREQUENCIES[key] = freqs
+        _FREQUENCIES[key] = freqs
     return freqs
 
 
