@@ -1,11 +1,16 @@
-"""Which `scan_output` configs fault, on which sequences: one fresh process per (case, config).
+"""Which `scan_output` configs fault, on which sequences: one fresh process per (case, config, mode).
 
 The delta rule's output inside its state kernel (`kev.ops.delta_rule.scan_output`, off by default)
 hit an illegal memory access on its first GPU runs (H200 and H100, 62a61df / 5fa43b6): while the
 autotuner benchmarked its configs on rows of 1/17/64/129 tokens reading bank slots; rows of at most
-64 tokens passed. A fault ends every later CUDA call of its process, so each (case, config) runs
-alone here, with CUDA_LAUNCH_BLOCKING=1 (the fault is reported at the launch that made it) and,
-where `compute-sanitizer` is on PATH and `--sanitizer` is given, under its memcheck (the faulting
+64 tokens passed. Every fault seen so far was with programmatic dependent launch on (kev/ops/pdl.py,
+added in the session before the kernel first ran on a GPU) and without CUDA_LAUNCH_BLOCKING, so
+the first case runs every config in three modes: as served (`pdl`), serialised launches
+(`pdl-blocking`: CUDA_LAUNCH_BLOCKING=1, the fault reported at the launch that made it, and no two
+kernels overlap) and plain stream order (`no-pdl`). A fault in `pdl` alone points at the launch
+order, one in every mode at the kernel. The other cases run in `pdl-blocking`. A fault ends every
+later CUDA call of its process, so each run is a process of its own; where `compute-sanitizer` is on
+PATH and `--sanitizer` is given, the blocking mode's runs are under its memcheck (the faulting
 access's address and thread). A run that does not fault is compared with the split path (the
 indexed scan, then fla's chunk_fwd_o) on the same inputs: the same bits are not promised across
 the two paths, so the relative error is reported.
@@ -33,15 +38,20 @@ CASES = {
     "doc-129-writes": ([129], False, True),
     "row-129-writes": ([129], True, True),
 }
+# mode -> (PDL on, CUDA_LAUNCH_BLOCKING)
+MODES = {"pdl": (True, False), "pdl-blocking": (True, True), "no-pdl": (False, False)}
+FIRST_CASE_MODES, OTHER_CASES_MODES = ("pdl", "no-pdl", "pdl-blocking"), ("pdl-blocking",)
 
 
-def one(case: str, index: int) -> dict:
+def one(case: str, index: int, pdl_on: bool) -> dict:
     """Runs case `case` with config `index` of SCAN_OUTPUT_CONFIGS (in this process); its result."""
     from bench.common import kev4b_config
+    from kev.ops import pdl
     from kev.ops.delta_rule import scan_output
     from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
     from kev.ops.gates import DeltaGates
 
+    pdl.off = not pdl_on
     lens, reads, writes = CASES[case]
     cfg = kev4b_config()
     H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -70,7 +80,7 @@ def one(case: str, index: int) -> dict:
     split_o, split_pool = run(False)
     err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()  # noqa: E731
     return {"o_rel_err": err(fused_o, split_o), "pool_rel_err": err(fused_pool, split_pool),
-            "finite": bool(torch.isfinite(fused_o.float()).all())}
+            "finite": bool(torch.isfinite(fused_o.float()).all()), "pdl": pdl.enabled()}
 
 
 def main() -> None:
@@ -78,36 +88,37 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sanitizer", action="store_true", help="run each case under compute-sanitizer when on PATH")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per (case, config) process")
-    ap.add_argument("--one", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=3, metavar=("CASE", "CONFIG", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(args.one[0], int(args.one[1]))), flush=True)
+        print("RESULT " + json.dumps(one(args.one[0], int(args.one[1]), MODES[args.one[2]][0])), flush=True)
         return
 
     from kev.ops.delta_rule.scan_output import SCAN_OUTPUT_CONFIGS
 
     sanitizer = shutil.which("compute-sanitizer") if args.sanitizer else None
-    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
     device = torch.cuda.get_device_name()
+    first = next(iter(CASES))
+    runs = [(case, i, mode) for case in CASES for mode in (FIRST_CASE_MODES if case == first else OTHER_CASES_MODES)
+            for i in range(len(SCAN_OUTPUT_CONFIGS))]  # the fast modes first: a call cut short has them
     results = {}
-    for case in CASES:
-        for i, config in enumerate(SCAN_OUTPUT_CONFIGS):
-            cmd = [sys.executable, "-m", "bench.scan_output_faults", "--out", "-", "--one", case, str(i)]
-            if sanitizer:
-                cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "3", *cmd]
-            try:
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-                line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                entry = json.loads(line[7:]) if line and done.returncode == 0 else \
-                    {"fault": True, "rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
-            except subprocess.TimeoutExpired:
-                entry = {"fault": None, "timeout_s": args.timeout}
-            results[f"{case} / {config}"] = entry
-            print(case, config, "FAULT" if entry.get("fault") else entry, flush=True)
-            with open(args.out, "w") as f:  # after every run: a call cut short keeps what it found
-                json.dump({"device": device, "sanitizer": sanitizer, "results": results}, f,
-                          indent=1)
-
+    for case, i, mode in runs:
+        config = SCAN_OUTPUT_CONFIGS[i]
+        env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1" if MODES[mode][1] else "0"}
+        cmd = [sys.executable, "-m", "bench.scan_output_faults", "--out", "-", "--one", case, str(i), mode]
+        if sanitizer and MODES[mode][1]:  # memcheck serialises launches anyway: the blocking mode's runs
+            cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "3", *cmd]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            entry = json.loads(line[7:]) if line and done.returncode == 0 else \
+                {"fault": True, "rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
+        except subprocess.TimeoutExpired:
+            entry = {"fault": None, "timeout_s": args.timeout}
+        results[f"{case} / {config} / {mode}"] = entry
+        print(case, config, mode, "FAULT" if entry.get("fault") else entry, flush=True)
+        with open(args.out, "w") as f:  # after every run: a call cut short keeps what it found
+            json.dump({"device": device, "sanitizer": sanitizer, "modes": MODES, "results": results}, f, indent=1)
 
 if __name__ == "__main__":
     main()
