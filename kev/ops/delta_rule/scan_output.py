@@ -99,11 +99,16 @@ def indexed_scan_output_kernel(
 
         b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
         b_q = tl.load(p_q + o_t[:, None] * stride_q_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        # The keys are loaded twice, token-major here for Q K^T and key-major for the state update
+        # below: one tile as the B operand of one dot and the A operand of another is what this
+        # kernel did and neither split kernel does, and only rows longer than a chunk, which ran
+        # both dots (a row's one chunk skips the update), faulted on sm_90
+        # (bench/scan_output_faults.py). The second load reads an L2-hot tile.
+        b_kr = tl.load(p_k + o_t[:, None] * stride_k_t + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         # [BT, BK] @ [BK, BV] -> [BT, BV]
         b_o = tl.dot(b_q, b_hc) * tl.exp2(b_g)[:, None]
         # [BT, BK] @ [BK, BT] -> [BT, BT]
-        b_A = tl.dot(b_q, b_k) * tl.exp2(b_g[:, None] - b_g[None, :])
+        b_A = tl.dot(b_q, tl.trans(b_kr)) * tl.exp2(b_g[:, None] - b_g[None, :])
         b_A = tl.where((o_c[:, None] >= o_c[None, :]) & m_t[:, None] & m_t[None, :], b_A, 0.0)
         # [BT, BT] @ [BT, BV] -> [BT, BV]
         b_o = b_o * scale + tl.dot(b_A.to(b_vc.dtype), b_vc) * scale
@@ -112,6 +117,7 @@ def indexed_scan_output_kernel(
 
         # the update; a sequence's last chunk needs it only when its final state is written
         if (i_t + 1 < NT) | (b_write >= 0):
+            b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
             b_h = next_state(b_h, b_k, b_v, b_g, p_g, stride_g_t, i_t, L, m_t, BT)
 
     write_slot_state(b_h, out_pool, write_slots, i_n, i_h, o_k, o_v, m_kv,
