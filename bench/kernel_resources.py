@@ -134,8 +134,11 @@ def pdl_wait_first(ptx: str) -> bool:
     return wait is not None and wait < memory
 
 
-def survey(first_only: bool = False) -> list[dict]:
-    """Compile every (or each kernel's first) config; one entry per compiled Triton function."""
+def survey(first_only: bool = False, with_pdl: bool = False) -> list[dict]:
+    """Compile every (or each kernel's first) config; one entry per compiled Triton function. With
+    `with_pdl` the launches ask for programmatic dependent launch (off by default, kev/ops/pdl.py)."""
+    from kev.ops import pdl
+
     found: list[dict] = []
     current: dict = {}
 
@@ -154,6 +157,7 @@ def survey(first_only: bool = False) -> list[dict]:
     previous = driver._active  # not reset_active(): with no GPU there is no default driver to make
     driver.set_active(HopperDriver())
     knobs.runtime.jit_cache_hook = compile_instead
+    pdl_before, pdl.on = pdl.on, with_pdl
     try:
         for name, (configs, launch) in kernels.items():
             for config in configs[:1] if first_only else configs:
@@ -162,6 +166,7 @@ def survey(first_only: bool = False) -> list[dict]:
     finally:
         knobs.runtime.jit_cache_hook = None
         driver.set_active(previous)
+        pdl.on = pdl_before
     return found
 
 
@@ -169,10 +174,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--first", action="store_true", help="each kernel's first config only")
     ap.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    ap.add_argument("--pdl", action="store_true", help="launch as with PDL on (kev/ops/pdl.py): its wait in place")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
-    found = survey(args.first)
+    found = survey(args.first, args.pdl)
     if args.json:
         print(json.dumps(found))
         return

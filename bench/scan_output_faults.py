@@ -3,12 +3,14 @@
 The delta rule's output inside its state kernel (`kev.ops.delta_rule.scan_output`, off by default)
 hit an illegal memory access on its first GPU runs (H200 and H100, 62a61df / 5fa43b6): while the
 autotuner benchmarked its configs on rows of 1/17/64/129 tokens reading bank slots; rows of at most
-64 tokens passed. Every fault seen so far was with programmatic dependent launch on (kev/ops/pdl.py,
-added in the session before the kernel first ran on a GPU) and without CUDA_LAUNCH_BLOCKING, so
-the first case runs every config in three modes: as served (`pdl`), serialised launches
-(`pdl-blocking`: CUDA_LAUNCH_BLOCKING=1, the fault reported at the launch that made it, and no two
-kernels overlap) and plain stream order (`no-pdl`). A fault in `pdl` alone points at the launch
-order, one in every mode at the kernel. The other cases run in `pdl-blocking`. A fault ends every
+64 tokens passed. Those faults were with programmatic dependent launch on (kev/ops/pdl.py, then the
+default) and without CUDA_LAUNCH_BLOCKING, so the first case runs every config in three modes:
+with PDL (`pdl`), in plain stream order (`no-pdl`, as served now) and with PDL and serialised
+launches (`pdl-blocking`: CUDA_LAUNCH_BLOCKING=1, the fault reported at the launch that made it,
+and no two kernels overlap). A fault in `pdl` alone points at the launch order, one in every mode
+at the kernel. The other cases run in `pdl-blocking`. At 5ea7209 (the keys no longer one tile in
+both dot roles) the first case ran clean in `pdl` and `no-pdl`, every config bit for bit the split
+path's (H100, `bench/results/scan_output_faults.json`). A fault ends every
 later CUDA call of its process, so each run is a process of its own; where `compute-sanitizer` is on
 PATH and `--sanitizer` is given, the blocking mode's runs are under its memcheck (the faulting
 access's address and thread). A run that does not fault is compared with the split path (the
@@ -51,7 +53,7 @@ def one(case: str, index: int, pdl_on: bool) -> dict:
     from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
     from kev.ops.gates import DeltaGates
 
-    pdl.off = not pdl_on
+    pdl.on = pdl_on
     lens, reads, writes = CASES[case]
     cfg = kev4b_config()
     H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -118,7 +120,8 @@ def main() -> None:
         results[f"{case} / {config} / {mode}"] = entry
         print(case, config, mode, "FAULT" if entry.get("fault") else entry, flush=True)
         with open(args.out, "w") as f:  # after every run: a call cut short keeps what it found
-            json.dump({"device": device, "sanitizer": sanitizer, "modes": MODES, "results": results}, f, indent=1)
+            json.dump({"commit": os.environ.get("KEV_COMMIT"), "device": device, "sanitizer": sanitizer,
+                       "modes": MODES, "results": results}, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -88,13 +88,13 @@ def main():
     ap.add_argument("--out", default="bench/results/single_request.json")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--profile-out", default=None)
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="launch our kernels in plain stream order, without PDL (kev/ops/pdl.py): the A/B")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch our kernels with PDL (kev/ops/pdl.py; off by default): the A/B")
     args = ap.parse_args()
-    if args.no_pdl:
+    if args.pdl:
         from kev.ops import pdl
 
-        pdl.off = True
+        pdl.on = True
     cfg = kev4b_config()
     model = random_model(cfg).fuse_projections()
     bank = Bank.allocate(cfg, num_slots=8, num_blocks=8 * 36, block_size=64, dtype=torch.bfloat16, device="cuda",

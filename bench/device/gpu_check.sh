@@ -68,10 +68,10 @@ for what in "${@:-tests perf}"; do
                     --profile-out "$OUT/single_request_profile.txt" ;;
             ab) step attention_ab 150 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
             delta-ab) step delta_rule_ab 240 python3 -m bench.delta_rule_ab --out "$OUT/delta_rule_ab.json" ;;
-            pdl-ab)  # the single-request figures without PDL (kev/ops/pdl.py), then with it (the default)
-                step single_request_no_pdl 150 python3 -m bench.single_request --no-pdl \
-                    --out "$OUT/single_request_no_pdl.json" --reps 15
-                step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 ;;
+            pdl-ab)  # the single-request figures without PDL (kev/ops/pdl.py; the default), then with it
+                step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15
+                step single_request_pdl 150 python3 -m bench.single_request --pdl \
+                    --out "$OUT/single_request_pdl.json" --reps 15 ;;
             scan-faults)  # which scan_output configs fault on which sequences, one process each (~2 s a run warm)
                 step scan_output_faults "${KEV_LIMIT_FAULTS:-240}" python3 -m bench.scan_output_faults \
                     --out "$OUT/scan_output_faults.json" --sanitizer ;;

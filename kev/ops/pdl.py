@@ -10,12 +10,17 @@ before it exactly as in plain stream order: same results, same bits. Only the la
 hidden. It holds inside CUDA graphs (captured as programmatic edges). Kernels of others (cuBLAS,
 fla) launch as before; one of ours after one of theirs still gains, as the wait covers it.
 
+Off by default: measured side by side on an H100 (5ea7209, `bench/results/single_request*.json`),
+it bought nothing on the GPU (a six-short sweep's replay 6.35 ms off / 6.39 on, five-long's 36.87 /
+36.76) and cost host time on eager launches (six-short's eager new request 47.9 / 50.9 ms); the
+graphed cached requests were 4% slower with it (5.95 / 6.22 ms). Kept as the A/B (`on = True`).
+
 Every kernel takes the constexpr `USE_PDL` and starts with `wait_for_previous(USE_PDL)`; every
 launch passes `**launch_options()`, which sets `USE_PDL` and Triton's `launch_pdl` together, so
 the attribute is never set on a kernel that does not wait (tests/ops/test_pdl.py checks both
-sides). Off under the interpreter and below sm_90. `off = True` launches in plain stream order:
-the benchmarks' A/B switch (`python -m bench.single_request --no-pdl`), no service setting: it is
-a launch mechanism that changes no result, not a tuning knob.
+sides). Never under the interpreter or below sm_90. `on = True` launches with it: the benchmarks'
+A/B switch (`python -m bench.single_request --pdl`), no service setting: it is a launch mechanism
+that changes no result, not a tuning knob.
 """
 
 from __future__ import annotations
@@ -25,13 +30,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 from triton.runtime.driver import driver
 
-off = False  # True: plain stream order (A/B runs)
+on = False  # True: launch with PDL where the device has it (A/B runs; off by default, see above)
 _decided: dict[int, bool] = {}  # id(active driver) -> whether its device supports PDL
 
 
 def enabled() -> bool:
     """Whether our launches use PDL here (checked per launch: cheap after the first)."""
-    if off or triton.knobs.runtime.interpret:
+    if not on or triton.knobs.runtime.interpret:
         return False
     active = driver.active
     key = id(active)

@@ -674,8 +674,8 @@ def test_kernels_compile_for_hopper():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--first", "--json"], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--first", "--json", "--pdl"], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = {e["function"]: e for e in json.loads(out.stdout.splitlines()[-1])}
     assert set(compiled) == {"indexed_conv_fwd_kernel", "delta_rule_prep_kernel", "indexed_scan_fwd_kernel",
@@ -685,6 +685,7 @@ def test_kernels_compile_for_hopper():
                              "gated_rms_norm_fwd_kernel", "silu_mul_fwd_kernel",
                              "sigmoid_mul_fwd_kernel"}, sorted(compiled)
     assert all(e["cubin_bytes"] > 0 and 0 < e["REG"] <= 255 for e in compiled.values())
-    # launched with programmatic dependent launch on Hopper: each waits before touching memory (kev/ops/pdl.py)
+    # launched with programmatic dependent launch (the A/B, off by default): each waits before
+    # touching memory (kev/ops/pdl.py)
     assert all(e["pdl_wait_first"] for e in compiled.values()), [e["function"] for e in compiled.values()
                                                                  if not e["pdl_wait_first"]]

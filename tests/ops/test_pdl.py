@@ -59,10 +59,9 @@ def test_pdl_only_where_it_exists(monkeypatch):
 
     monkeypatch.setattr(driver, "_active", FakeHopper())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert pdl.launch_options() == {"USE_PDL": True, "launch_pdl": True}  # sm_90
-    monkeypatch.setattr(pdl, "off", True)
-    assert pdl.launch_options() == {"USE_PDL": False}  # switched off (A/B runs)
-    monkeypatch.setattr(pdl, "off", False)
+    assert pdl.launch_options() == {"USE_PDL": False}  # off by default
+    monkeypatch.setattr(pdl, "on", True)
+    assert pdl.launch_options() == {"USE_PDL": True, "launch_pdl": True}  # sm_90, switched on (A/B runs)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl.launch_options() == {"USE_PDL": False}  # the interpreter runs no PTX
     monkeypatch.delenv("TRITON_INTERPRET")
