@@ -1,21 +1,23 @@
-"""Which `scan_output` configs fault, on which sequences: one fresh process per (case, config, mode).
+"""Which `scan_output` configs fault, on which sequences: each (case, mode) in fresh processes.
 
 The delta rule's output inside its state kernel (`kev.ops.delta_rule.scan_output`, off by default)
 hit an illegal memory access on its first GPU runs (H200 and H100, 62a61df / 5fa43b6): while the
 autotuner benchmarked its configs on rows of 1/17/64/129 tokens reading bank slots; rows of at most
 64 tokens passed. Those faults were with programmatic dependent launch on (kev/ops/pdl.py, then the
-default) and without CUDA_LAUNCH_BLOCKING, so the first case runs every config in three modes:
-with PDL (`pdl`), in plain stream order (`no-pdl`, as served now) and with PDL and serialised
-launches (`pdl-blocking`: CUDA_LAUNCH_BLOCKING=1, the fault reported at the launch that made it,
-and no two kernels overlap). A fault in `pdl` alone points at the launch order, one in every mode
-at the kernel. The other cases run in `pdl-blocking`. At 5ea7209 (the keys no longer one tile in
-both dot roles) the first case ran clean in `pdl` and `no-pdl`, every config bit for bit the split
-path's (H100, `bench/results/scan_output_faults.json`). A fault ends every
-later CUDA call of its process, so each run is a process of its own; where `compute-sanitizer` is on
-PATH and `--sanitizer` is given, the blocking mode's runs are under its memcheck (the faulting
-access's address and thread). A run that does not fault is compared with the split path (the
+default) and without CUDA_LAUNCH_BLOCKING. Every case runs every config in three modes: as served
+(`no-pdl`: plain stream order), with PDL (`pdl`), and with PDL and serialised launches
+(`pdl-blocking`: CUDA_LAUNCH_BLOCKING=1, the fault reported at the launch that made it, no two
+kernels overlapping; under compute-sanitizer's memcheck when it is on PATH and `--sanitizer` is
+given: the faulting access's address and thread). A fault in `pdl` alone points at the launch
+order, one in every mode at the kernel. A fault ends every later CUDA call of its process, so a
+(case, mode) runs its configs in a process that reports each as it ends; after a fault the next
+config starts a new one. A config that does not fault is compared with the split path (the
 indexed scan, then fla's chunk_fwd_o) on the same inputs: the same bits are not promised across
 the two paths, so the relative error is reported.
+
+At 5ea7209 (the keys no longer one tile in both dot roles) the case that had faulted ran clean
+with PDL (all 8 configs) and without (the 3 reached), each bit for bit the split path's (H100,
+`bench/results/scan_output_faults.json`).
 
     python -m bench.scan_output_faults --out $OUT/scan_output_faults.json [--sanitizer]
 """
@@ -40,13 +42,13 @@ CASES = {
     "doc-129-writes": ([129], False, True),
     "row-129-writes": ([129], True, True),
 }
-# mode -> (PDL on, CUDA_LAUNCH_BLOCKING)
-MODES = {"pdl": (True, False), "pdl-blocking": (True, True), "no-pdl": (False, False)}
-FIRST_CASE_MODES, OTHER_CASES_MODES = ("pdl", "no-pdl", "pdl-blocking"), ("pdl-blocking",)
+# mode -> (PDL on, CUDA_LAUNCH_BLOCKING); the served mode first: a call cut short has it
+MODES = {"no-pdl": (False, False), "pdl": (True, False), "pdl-blocking": (True, True)}
 
 
-def one(case: str, index: int, pdl_on: bool) -> dict:
-    """Runs case `case` with config `index` of SCAN_OUTPUT_CONFIGS (in this process); its result."""
+def configs_from(case: str, start: int, pdl_on: bool):
+    """Runs case `case` with each config of SCAN_OUTPUT_CONFIGS from `start` on (in this
+    process), yielding (index, result) as each ends."""
     from bench.common import kev4b_config
     from kev.ops import pdl
     from kev.ops.delta_rule import scan_output
@@ -77,51 +79,68 @@ def one(case: str, index: int, pdl_on: bool) -> dict:
         torch.cuda.synchronize()
         return o, p
 
-    config = scan_output.SCAN_OUTPUT_CONFIGS[index]
-    fused_o, fused_pool = run(True, config)
+    def err(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
     split_o, split_pool = run(False)
-    err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()  # noqa: E731
-    return {"o_rel_err": err(fused_o, split_o), "pool_rel_err": err(fused_pool, split_pool),
-            "finite": bool(torch.isfinite(fused_o.float()).all()), "pdl": pdl.enabled()}
+    for index in range(start, len(scan_output.SCAN_OUTPUT_CONFIGS)):
+        fused_o, fused_pool = run(True, scan_output.SCAN_OUTPUT_CONFIGS[index])
+        yield index, {"o_rel_err": err(fused_o, split_o), "pool_rel_err": err(fused_pool, split_pool),
+                      "finite": bool(torch.isfinite(fused_o.float()).all()), "pdl": pdl.enabled()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sanitizer", action="store_true", help="run each case under compute-sanitizer when on PATH")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per (case, config) process")
-    ap.add_argument("--one", nargs=3, metavar=("CASE", "CONFIG", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--sanitizer", action="store_true", help="the blocking mode under compute-sanitizer when on PATH")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds a process")
+    ap.add_argument("--one", nargs=3, metavar=("CASE", "MODE", "START"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(args.one[0], int(args.one[1]), MODES[args.one[2]][0])), flush=True)
+        case, mode, start = args.one
+        for index, result in configs_from(case, int(start), MODES[mode][0]):
+            print(f"RESULT {index} " + json.dumps(result), flush=True)
         return
 
     from kev.ops.delta_rule.scan_output import SCAN_OUTPUT_CONFIGS
 
     sanitizer = shutil.which("compute-sanitizer") if args.sanitizer else None
     device = torch.cuda.get_device_name()
-    first = next(iter(CASES))
-    runs = [(case, i, mode) for case in CASES for mode in (FIRST_CASE_MODES if case == first else OTHER_CASES_MODES)
-            for i in range(len(SCAN_OUTPUT_CONFIGS))]  # the fast modes first: a call cut short has them
     results = {}
-    for case, i, mode in runs:
-        config = SCAN_OUTPUT_CONFIGS[i]
-        env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1" if MODES[mode][1] else "0"}
-        cmd = [sys.executable, "-m", "bench.scan_output_faults", "--out", "-", "--one", case, str(i), mode]
-        if sanitizer and MODES[mode][1]:  # memcheck serialises launches anyway: the blocking mode's runs
-            cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "3", *cmd]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            entry = json.loads(line[7:]) if line and done.returncode == 0 else \
-                {"fault": True, "rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
-        except subprocess.TimeoutExpired:
-            entry = {"fault": None, "timeout_s": args.timeout}
-        results[f"{case} / {config} / {mode}"] = entry
-        print(case, config, mode, "FAULT" if entry.get("fault") else entry, flush=True)
-        with open(args.out, "w") as f:  # after every run: a call cut short keeps what it found
+
+    def record(case, mode, index, entry):
+        results[f"{case} / {SCAN_OUTPUT_CONFIGS[index]} / {mode}"] = entry
+        print(case, SCAN_OUTPUT_CONFIGS[index], mode, "FAULT" if entry.get("fault") else entry, flush=True)
+        with open(args.out, "w") as f:  # after every config: a call cut short keeps what it found
             json.dump({"commit": os.environ.get("KEV_COMMIT"), "device": device, "sanitizer": sanitizer,
                        "modes": MODES, "results": results}, f, indent=1)
+
+    for mode, (_, blocking) in MODES.items():
+        env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1" if blocking else "0"}
+        for case in CASES:
+            start = 0
+            while start < len(SCAN_OUTPUT_CONFIGS):
+                cmd = [sys.executable, "-m", "bench.scan_output_faults", "--out", "-", "--one", case, mode, str(start)]
+                if sanitizer and blocking:  # memcheck serialises launches anyway
+                    cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "3", *cmd]
+                try:
+                    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                    out, rc = done.stdout + "\n" + done.stderr, done.returncode
+                except subprocess.TimeoutExpired as e:
+                    got = e.stdout or b""
+                    out, rc = got if isinstance(got, str) else got.decode(errors="replace"), None
+                for line in out.splitlines():
+                    if line.startswith("RESULT "):
+                        index, result = line[7:].split(" ", 1)
+                        record(case, mode, int(index), json.loads(result))
+                        start = int(index) + 1
+                if rc == 0:
+                    break
+                if start < len(SCAN_OUTPUT_CONFIGS):  # the config after the last reported one ended the process
+                    record(case, mode, start, {"fault": True if rc is not None else None, "rc": rc,
+                                               "tail": out[-1500:]})
+                    start += 1
+
 
 if __name__ == "__main__":
     main()

@@ -72,7 +72,7 @@ for what in "${@:-tests perf}"; do
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15
                 step single_request_pdl 150 python3 -m bench.single_request --pdl \
                     --out "$OUT/single_request_pdl.json" --reps 15 ;;
-            scan-faults)  # which scan_output configs fault on which sequences, one process each (~2 s a run warm)
+            scan-faults)  # which scan_output configs fault on which sequences (a process per case and mode)
                 step scan_output_faults "${KEV_LIMIT_FAULTS:-240}" python3 -m bench.scan_output_faults \
                     --out "$OUT/scan_output_faults.json" --sanitizer ;;
             floors)
