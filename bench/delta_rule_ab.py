@@ -41,8 +41,10 @@ from kev.ops.shapes import CLASS_SHAPES, classify
 DEVICE = "cuda"
 CALLS = 10  # calls per captured graph
 POOL_SLOTS = 16
-# (kind, sequences, tokens each): the class shapes' sequence counts and lengths, then wider passes
-EXTRA_SHAPES = [("rows", 6, 32), ("rows", 96, 64), ("rows", 128, 20), ("docs", 12, 48), ("docs", 16, 2048)]
+# (kind, sequences, tokens each): the class shapes' sequence counts and lengths, then wider passes,
+# and rows over two chunks (the only rows that run the fused kernel's state update: where it faulted)
+EXTRA_SHAPES = [("rows", 6, 32), ("rows", 96, 64), ("rows", 128, 20), ("rows", 32, 100), ("docs", 12, 48),
+                ("docs", 16, 2048)]
 
 
 def shapes() -> list[tuple[str, int, int]]:
