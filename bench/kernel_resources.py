@@ -53,7 +53,7 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     # interpreted as the environment says then)
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan, prep, scan_output
+    from kev.ops.delta_rule import indexed_scan, prep
     from kev.ops.fused import activations, norms
     from kev.ops.gates import DeltaGates
 
@@ -65,7 +65,7 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     chunks = torch.stack([torch.arange(N).repeat_interleave(nc), torch.arange(nc).repeat(N)], 1)
     offsets = torch.arange(N + 1) * nc
     x, weight, conv_pool = torch.randn(T, C + 8, **bf)[:, :C], torch.randn(C, 4, **bf), torch.zeros(S, C, 3, **bf)
-    q, k, w = (torch.randn(T, n, K, **bf) for n in (H, H, HV))
+    k, w = (torch.randn(T, n, K, **bf) for n in (H, HV))
     u, g, pool = torch.randn(T, HV, V, **bf), torch.randn(T, HV), torch.zeros(S, HV, K, V)
     qa, ka, va = torch.randn(T, HQ, D, **bf), torch.randn(T, HKV, D, **bf), torch.randn(T, HKV, D, **bf)
     pages = torch.zeros(S * 8, BS, HKV, D, **bf)
@@ -102,8 +102,6 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
-        "indexed_scan_output": (scan_output.SCAN_OUTPUT_CONFIGS, lambda c: scan_output.indexed_scan_output(
-            q, k, w, u, g, cu, pool, read, write, K ** -0.5, config=c)),
         "paged_prefix_attention": (attn_configs, lambda c: attention(c, False)),
         "paged_prefix_split": (attn_configs, lambda c: attention(c, True)),  # the span and finish kernels
         "paged_store": (one, lambda c: paged_prefix.paged_store(  # a state pass's last attention layer

@@ -19,7 +19,7 @@
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-a single" # a cold first call: half the tests, the figures
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-b perf"   # the next, cache carried (.triton_carry)
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh tests-c          # tests-b without its kernels (tests-b = kernels + tests-c)
-#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh scan-faults      # scan_output's faulting configs (bench/scan_output_faults.py)
+#     KEV_TESTS="tests/a.py::test_x tests/b.py" KEV_COMMIT=<sha> bash bench/device/gpu_check.sh named  # those tests only
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -59,6 +59,7 @@ for what in "${@:-tests perf}"; do
             tests-a) step gpu_tests_a "${KEV_LIMIT_A:-420}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" ;;
             tests-b) step gpu_tests_b "${KEV_LIMIT_B:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_B[@]}" ;;
             tests-c) step gpu_tests_c "${KEV_LIMIT_C:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_C[@]}" ;;
+            named) step gpu_tests_named "${KEV_LIMIT_NAMED:-300}" python3 -m pytest "${PYTEST_GPU[@]}" ${KEV_TESTS:?set KEV_TESTS} ;;
             perf)
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt"
@@ -67,20 +68,15 @@ for what in "${@:-tests perf}"; do
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt" ;;
             ab) step attention_ab 150 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
-            delta-ab) step delta_rule_ab 240 python3 -m bench.delta_rule_ab --out "$OUT/delta_rule_ab.json" ;;
             pdl-ab)  # the single-request figures without PDL (kev/ops/pdl.py; the default), then with it
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15
                 step single_request_pdl 150 python3 -m bench.single_request --pdl \
                     --out "$OUT/single_request_pdl.json" --reps 15 ;;
-            scan-faults)  # which scan_output configs fault on which sequences (a process per case and mode;
-                # KEV_FAULTS_SANITIZER=1: the blocking mode under memcheck, 10x slower or more, for a fault's address)
-                step scan_output_faults "${KEV_LIMIT_FAULTS:-240}" python3 -m bench.scan_output_faults \
-                    --out "$OUT/scan_output_faults.json" $([ "${KEV_FAULTS_SANITIZER:-0}" = 1 ] && echo --sanitizer) ;;
             floors)
                 step row_pass 150 python3 -m bench.row_pass --out "$OUT/row_pass.json" \
                     --kernels-out "$OUT/row_pass_kernels.json"
                 step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, perf, single, ab, delta-ab, pdl-ab, scan-faults, floors)"
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, perf, single, ab, pdl-ab, floors)"
                exit 2 ;;
         esac
     done

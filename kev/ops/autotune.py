@@ -65,14 +65,13 @@ def hot_autotuners() -> dict[str, Autotuner]:
 
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan, scan_output
+    from kev.ops.delta_rule import indexed_scan
 
     kernels = {
         "indexed_conv": indexed_conv._tuned_conv_kernel,
         "kkt_solve": chunk_gated_delta_rule_fwd_kkt_solve_kernel,
         "recompute_w_u": recompute_w_u_fwd_kernel,
         "indexed_scan": indexed_scan._tuned_scan_kernel,
-        "indexed_scan_output": scan_output._tuned_scan_output_kernel,
         "chunk_fwd_o": chunk_fwd_kernel_o,
         "paged_prefix_attention": paged_prefix._tuned_attn_kernel,
         "paged_prefix_span": paged_prefix._tuned_span_kernel,  # split mode (rows_few passes)

@@ -32,8 +32,7 @@ from kev.ops.conv.indexed_conv import indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
-from kev.ops.shapes import ShapeClass
-from kev.ops.triton_ops import OUTPUT_IN_SCAN, TritonOps, split_attention
+from kev.ops.triton_ops import TritonOps, split_attention
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,9 +51,8 @@ class PrefixTooLong(ValueError):
 class GatheredOps(TritonOps):
     name = "gathered"
 
-    def __init__(self, max_prefix_tokens: int | None = None,
-                 output_in_scan: frozenset[ShapeClass] = OUTPUT_IN_SCAN) -> None:
-        super().__init__(output_in_scan)
+    def __init__(self, max_prefix_tokens: int | None = None) -> None:
+        super().__init__()
         if max_prefix_tokens is not None and max_prefix_tokens < 1:
             raise ValueError(f"max_prefix_tokens must be >= 1, got {max_prefix_tokens}")
         self.max_prefix_tokens = max_prefix_tokens
@@ -142,8 +140,7 @@ class GatheredOps(TritonOps):
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, out_pool=state_pool,
                                               chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets,
-                                              phases=meta.phases, start_states=start_states,
-                                              output_in_scan=self.scan_forms_output(meta, q.shape[0]))
+                                              phases=meta.phases, start_states=start_states)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         pages, row_table = self.page_plan(meta, key_pages.shape[1])

@@ -32,7 +32,6 @@ from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rul
 from kev.ops.fused import activations, norms
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
-from kev.ops.shapes import ShapeClass
 
 assert CONV_CHUNK == CHUNK, "conv and scan share one chunk_indices"
 
@@ -57,12 +56,6 @@ def split_attention(meta: PassMeta, num_tokens: int) -> bool:
     return split_mode(meta.pass_class(num_tokens))
 
 
-# The shape classes whose delta rule forms its output inside the state pass's kernel
-# (kev.ops.delta_rule.scan_output) instead of storing every chunk's start state for fla's
-# chunk_fwd_o: none until bench/delta_rule_ab.py has measured on the GPU which classes it speeds up.
-OUTPUT_IN_SCAN: frozenset[ShapeClass] = frozenset()
-
-
 class TritonOps:
     name = "triton"
 
@@ -73,8 +66,7 @@ class TritonOps:
     gated_rms_norm = staticmethod(norms.gated_rms_norm)
     silu_mul = staticmethod(activations.silu_mul)
 
-    def __init__(self, output_in_scan: frozenset[ShapeClass] = OUTPUT_IN_SCAN) -> None:
-        self.output_in_scan = frozenset(output_in_scan)
+    def __init__(self) -> None:
         self._indices: weakref.WeakKeyDictionary[PassMeta, PassIndices] = weakref.WeakKeyDictionary()
 
     def prepare(self, meta: PassMeta) -> PassIndices:
@@ -102,12 +94,7 @@ class TritonOps:
         return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, chunk_indices=idx.chunks,
-                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases,
-                                              output_in_scan=self.scan_forms_output(meta, q.shape[0]))
-
-    def scan_forms_output(self, meta: PassMeta, num_tokens: int) -> bool:
-        """Whether this pass's delta rule forms its output in the scan's kernel (by its shape class)."""
-        return bool(self.output_in_scan) and meta.pass_class(num_tokens) in self.output_in_scan
+                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))

@@ -181,13 +181,12 @@ def fla_tuner(monkeypatch):
 def test_hot_autotuners_cover_the_triton_path(fla_tuner):
     tuner, hot = fla_tuner
     assert set(hot) == {"indexed_conv", "kkt_solve", "recompute_w_u",
-                        "indexed_scan", "indexed_scan_output", "chunk_fwd_o", "paged_prefix_attention", "paged_prefix_span",
+                        "indexed_scan", "chunk_fwd_o", "paged_prefix_attention", "paged_prefix_span",
                         "paged_prefix_finish"}
     assert all(isinstance(at, Autotuner) for at in hot.values())
     assert all(at.cache_results is False for at in hot.values())
     assert hot["indexed_scan"].keys[-2:] == ["N_CLASS", "T_CLASS"]
     assert tuner.caches(ShapeClass.ROWS_FEW)["indexed_scan"].drop == {4, 5}
-    assert tuner.caches(ShapeClass.ROWS_FEW)["indexed_scan_output"].drop == {4, 5}
     assert tuner.caches(ShapeClass.ROWS_FEW)["chunk_fwd_o"].drop == frozenset()
 
 

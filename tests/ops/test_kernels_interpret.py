@@ -23,7 +23,6 @@ from interpret_support import FakeHopper, compiled_kernels
 from kev.ops.delta_rule.naive import recurrent_gated_delta_rule
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
-from kev.ops.shapes import ShapeClass
 from kev.ops.torch_ops import TorchOps
 from kernel_support import rel_err
 
@@ -157,9 +156,8 @@ def test_state_pass_kernel_matches_reference(interp, poisoned, case, ratio):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("output_in_scan", [False, True], ids=["split", "output_in_scan"])
 @pytest.mark.parametrize("case,ratio", RATIO_CASES)
-def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio, output_in_scan):
+def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio):
     lens, read, write = CASES[case]
     g = torch.Generator().manual_seed(20 + ratio)
     H, K, V, S, T = 2, 16, 16, 6, sum(lens)
@@ -176,8 +174,7 @@ def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio, ou
     before = pool.clone()
     cu = packed(lens)
     o = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=pool,
-                                                   read_slots=torch.tensor(read), write_slots=torch.tensor(write),
-                                                   output_in_scan=output_in_scan)
+                                                   read_slots=torch.tensor(read), write_slots=torch.tensor(write))
     # the reference: normalise like TorchOps, expand heads, recur token by token in fp64
     qn = torch.nn.functional.normalize(q, dim=-1, eps=0).repeat_interleave(ratio, 1) * K ** -0.5
     kn = torch.nn.functional.normalize(k, dim=-1, eps=0).repeat_interleave(ratio, 1)
@@ -194,9 +191,8 @@ def test_indexed_delta_rule_matches_recurrence(interp, poisoned, case, ratio, ou
 # Both under `pytest -m slow` (~20 s each): tests/exec/test_one_sweep.py checks a phased sweep bitwise
 # through the torch ops in CI, and the GPU suite these kernels, indexed == gathered.
 @pytest.mark.slow
-@pytest.mark.parametrize("output_in_scan", [False, True], ids=["split", "output_in_scan"])
 @pytest.mark.parametrize("gathered", [False, True], ids=["indexed", "gathered"])
-def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathered, output_in_scan):
+def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathered):
     """A joined pass (new documents, then rows reading the slots they write): the state passes run
     phase by phase, everything else once over all tokens; outputs and pools equal the two phases
     run as passes of their own, bit for bit (the per-chunk steps work chunk by chunk). The gathered
@@ -215,9 +211,8 @@ def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathere
     pool_alone = pool.clone()
     idx = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     read, write = idx([r for _, rs, _ in phases for r in rs]), idx([w for _, _, ws in phases for w in ws])
-    every_class = frozenset(ShapeClass) if output_in_scan else frozenset()
     if gathered:
-        ops = interp.gathered_ops.GatheredOps(output_in_scan=every_class)
+        ops = interp.gathered_ops.GatheredOps()
         meta = PassMeta(cu_seqlens=packed(lens), read_slots=read, write_slots=write,
                         prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
                         block_table=torch.zeros(len(lens), 1, dtype=torch.int32), phases=(2, 3))
@@ -225,14 +220,13 @@ def test_phased_delta_rule_equals_its_phases_run_alone(interp, poisoned, gathere
     else:
         joined = interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=packed(lens),
                                                             state_pool=pool, read_slots=read, write_slots=write,
-                                                            phases=(2, 3), output_in_scan=output_in_scan)
+                                                            phases=(2, 3))
     start = 0
     for ls, rs, ws in phases:
         end = start + sum(ls)
         alone = interp.scan.indexed_chunk_gated_delta_rule(
             q=q[start:end], k=k[start:end], v=v[start:end], gates=DeltaGates.given(gate[start:end], beta[start:end]),
-            cu_seqlens=packed(ls), state_pool=pool_alone, read_slots=idx(rs), write_slots=idx(ws),
-            output_in_scan=output_in_scan)
+            cu_seqlens=packed(ls), state_pool=pool_alone, read_slots=idx(rs), write_slots=idx(ws))
         assert torch.equal(joined[start:end], alone)
         start = end
     assert torch.equal(pool, pool_alone)
@@ -551,8 +545,7 @@ def test_model_indexed_equals_gathered_and_reference(interp, tiny_model):
 
 
 @pytest.mark.slow  # ~60 s interpreted; the GPU suite checks the joined sweep indexed == gathered bitwise, test_one_sweep.py on torch
-@pytest.mark.parametrize("output_in_scan", [False, True], ids=["split", "output_in_scan"])
-def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_model, output_in_scan):
+def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_model):
     """Whole model, one sweep (`Passes.sweep`): new documents, then rows over them and
     over a stored one, in one pass over the weights (the joined delta rule, the last layer's
     K/V-only store). Triton indexed == gathered bit for bit, both ~= torch and ~= two passes."""
@@ -565,9 +558,8 @@ def test_model_one_sweep_indexed_equals_gathered_and_reference(interp, tiny_mode
     new_docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (66, 3)]
     rows = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 70, 2)]
     outs, banks = {}, {}
-    every_class = frozenset(ShapeClass) if output_in_scan else frozenset()
-    named = (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps(output_in_scan=every_class)),
-             ("gathered", interp.gathered_ops.GatheredOps(output_in_scan=every_class)))
+    named = (("torch", TorchOps()), ("indexed", interp.triton_ops.TritonOps()),
+             ("gathered", interp.gathered_ops.GatheredOps()))
     for name, ops in named:
         for sweep in (True, False):
             bank = Bank.allocate(tiny_model.cfg, num_slots=6, num_blocks=64, block_size=16)
@@ -608,9 +600,8 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
     from triton.runtime.driver import driver
 
     indexed_conv, indexed_scan, paged_prefix = compiled_modules.conv, compiled_modules.scan, compiled_modules.attn
-    scan_output, prep = compiled_modules.scan_output, compiled_modules.prep
+    prep = compiled_modules.prep
     kernels = [indexed_conv.indexed_conv_fwd_kernel, indexed_scan.indexed_scan_fwd_kernel,
-               scan_output.indexed_scan_output_kernel,
                prep.delta_rule_prep_kernel, paged_prefix.paged_prefix_attn_fwd_kernel,
                paged_prefix.paged_prefix_span_kernel, paged_prefix.paged_prefix_finish_kernel]
     for kern in kernels:  # fresh binders against the fake target; the originals come back afterwards
@@ -642,9 +633,6 @@ def test_compile_count_batch_agnostic(compiled_modules, monkeypatch):
         indexed_scan.indexed_scan(torch.randn(T, H, K), torch.randn(T, HV, K), torch.randn(T, HV, V),
                                   torch.randn(T, HV), cu, offsets, chunks.shape[0], torch.zeros(S, HV, K, V),
                                   read, write, config=indexed_scan.SCAN_CONFIGS[0])
-        scan_output.indexed_scan_output(torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, HV, K),
-                                        torch.randn(T, HV, V), torch.randn(T, HV), cu, torch.zeros(S, HV, K, V),
-                                        read, write, 0.25, config=scan_output.SCAN_OUTPUT_CONFIGS[0])
         block = paged_prefix.query_block(HQ // HKV)
         nb = -(-L // block)
         attn_chunks = torch.stack([torch.arange(N).repeat_interleave(nb), torch.arange(nb).repeat(N)], 1)
@@ -679,7 +667,7 @@ def test_kernels_compile_for_hopper():
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = {e["function"]: e for e in json.loads(out.stdout.splitlines()[-1])}
     assert set(compiled) == {"indexed_conv_fwd_kernel", "delta_rule_prep_kernel", "indexed_scan_fwd_kernel",
-                             "indexed_scan_output_kernel", "paged_prefix_attn_fwd_kernel",
+                             "paged_prefix_attn_fwd_kernel",
                              "paged_prefix_span_kernel", "paged_prefix_finish_kernel", "paged_store_kernel",
                              "rms_norm_fwd_kernel",
                              "gated_rms_norm_fwd_kernel", "silu_mul_fwd_kernel",

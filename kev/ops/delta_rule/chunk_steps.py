@@ -1,7 +1,6 @@
-"""The per-chunk steps both state-pass kernels share (`indexed_scan`, which stores every chunk's
-start state for fla's `chunk_fwd_o`, and `scan_output`, which forms the output itself), inlined into
-each: the start state read from a bank slot, the corrected values V' = U - W S, the state carried to
-the next chunk, and the final state written to a slot. G is the chunk-local cumsum of the log2 decay.
+"""The indexed scan's per-chunk steps, inlined into its kernel (`indexed_scan`): the start state
+read from a bank slot, the corrected values V' = U - W S, the state carried to the next chunk, and
+the final state written to a slot. G is the chunk-local cumsum of the log2 decay.
 """
 
 from __future__ import annotations

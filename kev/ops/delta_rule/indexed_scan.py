@@ -9,8 +9,7 @@ no copy, no `.contiguous()` anywhere near the bank. fla 0.6.0's
 
 `indexed_chunk_gated_delta_rule` is the whole forward: one launch that L2-normalises q and k and
 forms the gates with their chunk-local cumsum (`prep`), then fla's fused KK^T + triangular solve +
-WY recompute (`chunk_gated_delta_rule_fwd_intra`), our state pass, and fla's `chunk_fwd_o` (or our
-state kernel forming the output itself, `scan_output`). fla's pieces are called with keywords on
+WY recompute (`chunk_gated_delta_rule_fwd_intra`), our state pass, and fla's `chunk_fwd_o`. fla's pieces are called with keywords on
 activations only (never the bank). fla 0.6.0 supports grouped value heads natively (value head j
 reads key head j // (HV / H)), so q and k are never expanded. q and k may be column views (the
 model's conv output): `prep` reads them in place and writes the contiguous normalised copies fla's
@@ -34,7 +33,6 @@ from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
 from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
-from kev.ops.delta_rule.scan_output import indexed_scan_output
 from kev.ops.gates import DeltaGates
 from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import preserve_written_slots, shape_class
@@ -226,7 +224,6 @@ def indexed_chunk_gated_delta_rule(
     scan_config: triton.Config | None = None,
     phases: Sequence[int] = (),
     start_states: StartStates | None = None,
-    output_in_scan: bool = False,
 ) -> torch.Tensor:
     """Varlen chunked gated delta rule whose sequences start from (and end in) bank slots by index.
 
@@ -249,9 +246,6 @@ def indexed_chunk_gated_delta_rule(
     start_states:  (n0, n1) -> (pool, read slots) that sequences [n0, n1) start from, called right
                    before their state pass (the gathered variant copies the states there); default
                    state_pool and read_slots[n0:n1]
-    output_in_scan: form the output in the state pass's kernel (`scan_output`) instead of storing
-                   every chunk's start state for fla's `chunk_fwd_o` (`scan_config` then names one
-                   of `SCAN_OUTPUT_CONFIGS`)
     Returns o: [T, HV, V] in v's dtype.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
@@ -285,16 +279,6 @@ def indexed_chunk_gated_delta_rule(
         raise ValueError(f"phases {counts} must be sequence counts summing to N={N}")
     V = v.shape[2]
     out_pool = state_pool if out_pool is None else out_pool
-    if output_in_scan:
-        o = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
-        n0 = 0
-        for n in counts:
-            n1 = n0 + n
-            pool, read = start_states(n0, n1) if start_states is not None else (state_pool, read_slots[n0:n1])
-            indexed_scan_output(q, k, w[0], u[0], g_cum[0], cu_seqlens[n0:n1 + 1], pool, read, write_slots[n0:n1],
-                                scale, out_pool=out_pool, o=o, config=scan_config)
-            n0 = n1
-        return o
     h = k.new_empty(chunk_indices.shape[0], HV, K, V)
     v_new = torch.empty((T, HV, V), dtype=u.dtype, device=u.device)
     n0 = 0
