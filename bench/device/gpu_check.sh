@@ -59,7 +59,10 @@ for what in "${@:-tests perf}"; do
             tests-a) step gpu_tests_a "${KEV_LIMIT_A:-420}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" ;;
             tests-b) step gpu_tests_b "${KEV_LIMIT_B:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_B[@]}" ;;
             tests-c) step gpu_tests_c "${KEV_LIMIT_C:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_C[@]}" ;;
-            named) step gpu_tests_named "${KEV_LIMIT_NAMED:-300}" python3 -m pytest "${PYTEST_GPU[@]}" ${KEV_TESTS:?set KEV_TESTS} ;;
+            named)  # a log of its own per run (gpu_tests_named.log, then _2, _3 ...): a second run in one call keeps the first's
+                log=gpu_tests_named; i=1
+                while [ -e "$OUT/$log.log" ]; do i=$((i + 1)); log=gpu_tests_named_$i; done
+                step "$log" "${KEV_LIMIT_NAMED:-300}" python3 -m pytest "${PYTEST_GPU[@]}" ${KEV_TESTS:?set KEV_TESTS} ;;
             perf)
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt"

@@ -37,7 +37,7 @@ def test_every_kernel_waits_first():
             body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
                 else fn.body  # after the docstring
             assert ast.unparse(body[0]) == "wait_for_previous(USE_PDL)", f"{path.name}:{fn.name} reads before waiting"
-    assert kernels >= 12
+    assert kernels >= 11  # the own kernels: a file that stops being found fails here
 
 
 def test_every_launch_passes_the_launch_options():
@@ -51,7 +51,7 @@ def test_every_launch_passes_the_launch_options():
                 spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
                 assert "launch_options()" in spread, f"{path.name}:{node.lineno} launches without launch_options()"
                 assert not any(k.arg in ("launch_pdl", "USE_PDL") for k in node.keywords), f"{path.name}:{node.lineno}"
-    assert launches >= 14
+    assert launches >= 12
 
 
 def test_pdl_only_where_it_exists(monkeypatch):
