@@ -9,13 +9,13 @@ no copy, no `.contiguous()` anywhere near the bank. fla 0.6.0's
 
 `indexed_chunk_gated_delta_rule` is the whole forward: one launch that L2-normalises q and k and
 forms the gates with their chunk-local cumsum (`prep`), then fla's fused KK^T + triangular solve +
-WY recompute (`chunk_gated_delta_rule_fwd_intra`), our state pass, and fla's `chunk_fwd_o`. fla's pieces are called with keywords on
-activations only (never the bank). fla 0.6.0 supports grouped value heads natively (value head j
-reads key head j // (HV / H)), so q and k are never expanded. q and k may be column views (the
-model's conv output): `prep` reads them in place and writes the contiguous normalised copies fla's
-kernels need. fla's WY recompute reads v as contiguous [T, HV, V] (the model's conv writes it so;
-other callers' v is copied). Gates follow fla 0.6.0: the chunk cumsum is scaled by 1/ln 2 and every
-decay is an exp2.
+WY recompute (`chunk_gated_delta_rule_fwd_intra`), our state pass, and fla's `chunk_fwd_o`. fla's
+pieces are called with keywords on activations only (never the bank). fla 0.6.0 supports grouped
+value heads natively (value head j reads key head j // (HV / H)), so q and k are never expanded. q
+and k may be column views (the model's conv output): `prep` reads them in place and writes the
+contiguous normalised copies fla's kernels need. fla's WY recompute reads v as contiguous
+[T, HV, V] (the model's conv writes it so; other callers' v is copied). Gates follow fla 0.6.0: the
+chunk cumsum is scaled by 1/ln 2 and every decay is an exp2.
 
 Reference: `naive.recurrent_gated_delta_rule` / `chunk_torch.chunk_gated_delta_rule`.
 """
