@@ -255,7 +255,7 @@ def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
         return True  # skip the compile itself
 
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", record)
-    d, H, D, F, HV = 64, 4, 32, 96, 8
+    d, H, D, F = 64, 4, 32, 96
     w = torch.randn(D)
     for T in range(1, 65):
         hidden = torch.randn(T, d + 16)[:, :d]  # a column view: fixed row stride

@@ -6,10 +6,7 @@ checked on every kernel by test_kernels_compile_for_hopper.)"""
 from __future__ import annotations
 
 import ast
-import inspect
 from pathlib import Path
-
-import pytest
 
 from interpret_support import FakeHopper
 from kev.ops import pdl
