@@ -35,6 +35,11 @@ triton_cache_restore
 # pass, shared bank) in two calls, the cache carried between them. -v: each test's name is logged as
 # it ends, so a run cut by its limit still says which passed.
 PYTEST_GPU=(-v -rfE --tb=short --durations=15 -p no:cacheprovider)
+# KEV_TEST_WORKERS=N (N > 1): the tests in N pytest-xdist processes, one test at a time to each
+# (`--dist load`). Cold, a run is mostly Triton compiling, one kernel after another in one process;
+# N processes compile side by side on the machine's 16 cores (the tests' models are small: 512 wide,
+# a few layers). Not measured yet: try it on a cold `tests` and compare with the figures above.
+if [ "${KEV_TEST_WORKERS:-1}" -gt 1 ]; then PYTEST_GPU+=(-n "$KEV_TEST_WORKERS" --dist load); fi
 GPU_TESTS_A=(tests/exec/test_graphs_gpu.py tests/exec/test_packed_graphs_gpu.py tests/exec/test_served_passes_gpu.py
              tests/exec/test_family_gpu.py)
 # tests-b's kernels alone compile for longer than a call has (cold: 27 of its tests in 420 s at
