@@ -116,7 +116,8 @@ def run_info() -> dict:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     from kev.ops import pdl
 
-    return {"commit": commit, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    return {"commit": commit, "gpu": gpu, "torch": torch.__version__,
             "pdl": pdl.enabled()}  # our kernels launched with programmatic dependent launch (kev/ops/pdl.py)
 
 
