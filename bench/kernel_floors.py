@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import kev4b_config, run_info, write_json
+from bench.common import capture, cuda_ms, kev4b_config, run_info, write_json
 from kev.model.config import ModelConfig
 
 BF16, FP32 = 2, 4
@@ -167,36 +167,27 @@ def cases(cfg: ModelConfig, docs: int, doc_tokens: int, device: str) -> list[Cas
 
 
 def time_ms(fn: Callable[[], object], reps: int, device: str) -> tuple[float, bool]:
-    """(ms a call, whether from a CUDA graph). On CUDA the calls are captured in one graph after a
-    warm call (compiles, autotunes); a call that cannot be captured (a host sync inside) is timed
-    eagerly between events instead, launch gaps included. On CPU: wall time (the harness only)."""
-    fn()
-    if device != "cuda":
-        start = time.perf_counter()
+    """(ms a call, whether from a CUDA graph). On CUDA `reps` calls are captured in one graph after
+    warm calls (compiles, autotunes: `bench.common.capture`); a call that cannot be captured (a host
+    sync inside) is timed eagerly between events instead, launch gaps included. On CPU: wall time
+    (the harness only)."""
+
+    def calls():
         for _ in range(reps):
-            fn()
+            fn()  # each result dropped at once: the graph's pool reuses its memory
+
+    if device != "cuda":
+        fn()
+        start = time.perf_counter()
+        calls()
         return (time.perf_counter() - start) * 1e3 / reps, False
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
+        graph, _ = capture(calls)
         graph.replay()
-        start.record()
-        graph.replay()
-        end.record()
-        graphed = True
+        return cuda_ms(graph.replay, 1)[0] / reps, True
     except Exception:  # noqa: BLE001 - a kernel that syncs with the host inside: time it eagerly
         torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        graphed = False
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps, graphed
+        return cuda_ms(calls, 1)[0] / reps, False
 
 
 def copy_gbps(device: str, nbytes: int = 1 << 30) -> float:
