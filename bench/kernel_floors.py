@@ -4,7 +4,8 @@ the same maths where fla has one.
 The state pass's profile (`bench.state_pass --profile-out`) says where its non-GEMM time goes: the
 delta rule, the norms, silu-mul, attention, the conv. This says how much of it better kernels
 could win, and where to look first. Each kernel of one layer runs alone on the pass's tokens
-(new documents, Kev-4B's heads), timed as a CUDA graph of `--reps` launches (no launch gaps), and
+(new documents, or with `--rows` question rows continuing stored states; Kev-4B's heads), timed
+as a CUDA graph of `--reps` launches (no launch gaps), and
 is set against:
 - its floor: the bytes it must read and write, at the bandwidth a device-to-device copy reaches in
   the same run (`copy_gbps`);
@@ -15,8 +16,9 @@ is set against:
 layer). The GEMMs are not here: they run at 0.95 of the matmul floor (`state_pass.json`).
 
     python -m bench.kernel_floors --out bench/results/kernel_floors.json            # GPU, 16 x 2,048
-    TRITON_INTERPRET=1 python -m bench.kernel_floors --device cpu --config tiny \\
-        --docs 2 --doc-tokens 64 --reps 1 --out /tmp/kernel_floors.json             # the harness, on CPU
+    python -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows --out ...        # a loaded row pass
+    python -m bench.kernel_floors --device cpu --config tiny --seqs 2 --seq-tokens 64 --reps 1 \\
+        --out /tmp/kernel_floors.json   # the harness on the CPU, kernels interpreted (its test does this)
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def tiny_config() -> ModelConfig:
                                       linear_num_key_heads=2, linear_num_value_heads=4))
 
 
-def cases(cfg: ModelConfig, docs: int, doc_tokens: int, device: str) -> list[Case]:
-    """One layer's non-GEMM kernels on `docs` new documents of `doc_tokens` tokens, inputs random."""
+def cases(cfg: ModelConfig, seqs: int, seq_tokens: int, device: str, rows: bool = False) -> list[Case]:
+    """One layer's non-GEMM kernels on `seqs` sequences of `seq_tokens` tokens, inputs random: new
+    documents (their states written to slots), or `rows` continuing the states in slots (written
+    nowhere). A row reads what a document writes, so the byte floors are the same."""
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
@@ -73,30 +77,30 @@ def cases(cfg: ModelConfig, docs: int, doc_tokens: int, device: str) -> list[Cas
     def rand(*shape, dtype=torch.bfloat16, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
-    T, N = docs * doc_tokens, docs
+    T, N = seqs * seq_tokens, seqs
     D, I = cfg.hidden_size, cfg.intermediate_size
     H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     W = cfg.conv_kernel
     C = 2 * H * K + HV * V  # the conv's channels: q, k, v
     L, LD = cfg.num_layers, len(cfg.deltanet_layers)
-    cu = torch.arange(0, T + 1, doc_tokens, device=device)
+    cu = torch.arange(0, T + 1, seq_tokens, device=device)
     chunks, offsets = prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK)
     NT = chunks.shape[0]
-    fresh = torch.full((N,), -1, dtype=torch.int64, device=device)
-    slots = torch.arange(N, device=device)
+    slots, none = torch.arange(N, device=device), torch.full((N,), -1, dtype=torch.int64, device=device)
+    read, write = (slots, none) if rows else (none, slots)
 
     # the layer's fused input projection, as the model lays it out: q k v | z | a | b column views
     proj = rand(T, C + HV * V + 2 * HV)
     mixed, z = proj[:, :C], proj[:, C:C + HV * V]
     a, b = proj[:, C + HV * V:C + HV * V + HV], proj[:, C + HV * V + HV:]
-    conv_w, conv_pool = rand(C, W, scale=0.5), torch.zeros(N + 1, C, W - 1, dtype=torch.bfloat16, device=device)
+    conv_w, conv_pool = rand(C, W, scale=0.5), rand(N + 1, C, W - 1)
     gates = DeltaGates(a=a, b=b, A_log=torch.rand(HV, generator=gen, device=device).log(),
                        dt_bias=rand(HV, dtype=torch.float32))
-    state_pool = torch.zeros(N + 1, HV, K, V, dtype=torch.float32, device=device)
+    state_pool = rand(N + 1, HV, K, V, dtype=torch.float32, scale=0.02)
 
     def conv():
-        return indexed_causal_conv(x=mixed, weight=conv_w, cu_seqlens=cu, conv_pool=conv_pool, read_slots=fresh,
-                                   write_slots=slots, chunk_indices=chunks, split=2 * H * K)
+        return indexed_causal_conv(x=mixed, weight=conv_w, cu_seqlens=cu, conv_pool=conv_pool, read_slots=read,
+                                   write_slots=write, chunk_indices=chunks, split=2 * H * K)
 
     qk, v = conv()
     q, k, v = qk[:, :H * K].view(T, H, K), qk[:, H * K:].view(T, H, K), v.view(T, HV, V)
@@ -113,7 +117,7 @@ def cases(cfg: ModelConfig, docs: int, doc_tokens: int, device: str) -> list[Cas
     w, u, _ = intra()
 
     def scan():
-        return indexed_scan(kn, w[0], u[0], g, cu, offsets, NT, state_pool, fresh, slots)
+        return indexed_scan(kn, w[0], u[0], g, cu, offsets, NT, state_pool, read, write)
 
     h, v_new = scan()
 
@@ -136,6 +140,9 @@ def cases(cfg: ModelConfig, docs: int, doc_tokens: int, device: str) -> list[Cas
 
     mixed_c, z_rows, o_rows = mixed.contiguous()[None], z.reshape(T * HV, V), o.reshape(T * HV, V)
     cu_host = cu.cpu()  # fla's conv reads the lengths on the host: given, it need not sync to get them
+    # fla's state kernel starts from a gathered copy of the rows' states (ours reads them in place);
+    # its conv starts rows from zeros (timing only: the conv's cost does not depend on its start)
+    start = state_pool[:N].clone() if rows else None
     gate_c, up_c = gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous()
     norm_w1 = (1 + norm_w.float()).to(norm_w.dtype)  # fla scales by the weight; Qwen3.5's norm by 1 + weight
 
@@ -150,14 +157,14 @@ def cases(cfg: ModelConfig, docs: int, doc_tokens: int, device: str) -> list[Cas
              lambda: swiglu_fwd(gate_c, up_c), lambda ours, fla: (ours, fla)),
         Case("conv", LD, 2 * T * C * BF16 + N * C * (W - 1) * BF16, conv,
              lambda: causal_conv1d(x=mixed_c, weight=conv_w, activation="silu", cu_seqlens=cu,
-                                   cu_seqlens_cpu=cu_host, output_final_state=True),
-             lambda ours, fla: (torch.cat(ours, dim=1), fla[0][0])),
+                                   cu_seqlens_cpu=cu_host, output_final_state=not rows),
+             None if rows else lambda ours, fla: (torch.cat(ours, dim=1), fla[0][0])),
         Case("delta_rule_prep", LD, 2 * qk_bytes + 2 * T * HV * BF16 + g_bytes + T * HV * BF16, prep),
         Case("delta_rule_intra (fla)", LD, qk_bytes // 2 + 3 * hv_bytes + g_bytes + T * HV * BF16, intra),
         Case("delta_rule_scan", LD, qk_bytes // 2 + 3 * hv_bytes + g_bytes + h_bytes + pool_bytes, scan,
-             lambda: chunk_gated_delta_rule_fwd_h(k=kn[None], w=w, u=u, g=g[None], output_final_state=True,
-                                                  chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=chunks,
-                                                  chunk_offsets=offsets),
+             lambda: chunk_gated_delta_rule_fwd_h(k=kn[None], w=w, u=u, g=g[None], initial_state=start,
+                                                  output_final_state=not rows, chunk_size=CHUNK, cu_seqlens=cu,
+                                                  chunk_indices=chunks, chunk_offsets=offsets),
              lambda ours, fla: (ours[0], fla[0][0])),
         Case("delta_rule_o (fla)", LD, qk_bytes + 2 * hv_bytes + h_bytes + g_bytes, out),
         Case("gated_rms_norm", LD, 3 * hv_bytes, lambda: gated_rms_norm(o, z_heads, head_w, cfg.rms_norm_eps),
@@ -201,8 +208,9 @@ def copy_gbps(device: str, nbytes: int = 1 << 30) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernel_floors.json")
-    ap.add_argument("--docs", type=int, default=16)
-    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--seqs", type=int, default=16)
+    ap.add_argument("--seq-tokens", type=int, default=2048)
+    ap.add_argument("--rows", action="store_true", help="the sequences continue stored states (question rows)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--config", choices=("kev-4b", "tiny"), default="kev-4b")
@@ -211,7 +219,7 @@ def main() -> None:
     gbps = copy_gbps(args.device, 1 << 30 if args.device == "cuda" else 1 << 20)
     rows = []
     with torch.no_grad():
-        for case in cases(cfg, args.docs, args.doc_tokens, args.device):
+        for case in cases(cfg, args.seqs, args.seq_tokens, args.device, rows=args.rows):
             ms, graphed = time_ms(case.ours, args.reps, args.device)
             floor = case.bytes / (gbps * 1e9) * 1e3
             row = dict(kernel=case.name, count=case.count, ms=ms, graphed=graphed, floor_ms=floor,
@@ -229,8 +237,8 @@ def main() -> None:
             print(f"{case.name:24s} {ms:8.3f} ms (x{case.count}: {ms * case.count:7.2f})  floor {floor:7.3f} "
                   f"({floor / ms:4.0%} of bandwidth)" + (f"  fla {row['fla_ms']:8.3f}" if "fla_ms" in row else
                                                          "  fla -" if case.fla is None else "  fla error"))
-    result = {**run_info(), "model": args.config, "docs": args.docs, "doc_tokens": args.doc_tokens,
-              "tokens": args.docs * args.doc_tokens, "reps": args.reps, "copy_gbps": gbps, "kernels": rows,
+    result = {**run_info(), "model": args.config, "rows": args.rows, "seqs": args.seqs,
+              "seq_tokens": args.seq_tokens, "tokens": args.seqs * args.seq_tokens, "reps": args.reps, "copy_gbps": gbps, "kernels": rows,
               "per_pass_ms": sum(r["per_pass_ms"] for r in rows),
               "per_pass_floor_ms": sum(r["floor_ms"] * r["count"] for r in rows)}
     write_json(args.out, result)

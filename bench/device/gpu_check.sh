@@ -100,11 +100,13 @@ for what in "${@:-tests perf}"; do
                         --profile-out "$OUT/load_shapes/state_pass_$1.txt"
                 done ;;
             kernel-floors)  # each non-GEMM kernel of a layer against its memory floor and fla's kernel:
-                # the state pass benchmark's 16 x 2,048 tokens, then six-short's loaded state pass
+                # the state pass benchmark's 16 x 2,048 tokens, then six-short's loaded state and row passes
                 step kernel_floors 200 python3 -m bench.kernel_floors --out "$OUT/kernel_floors.json"
                 mkdir -p "$OUT/load_shapes"
-                step kernel_floors_six-short 120 python3 -m bench.kernel_floors --docs 11 --doc-tokens 48 \
-                    --out "$OUT/load_shapes/kernel_floors_six-short.json" ;;
+                step kernel_floors_six-short 120 python3 -m bench.kernel_floors --seqs 11 --seq-tokens 48 \
+                    --out "$OUT/load_shapes/kernel_floors_six-short.json"
+                step kernel_floors_six-short_rows 120 python3 -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows \
+                    --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
             *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors)"
                exit 2 ;;
         esac
