@@ -1,12 +1,11 @@
-"""How far each non-GEMM kernel of a state pass is from its memory floor, and from fla's kernel for
-the same maths where fla has one.
+"""How far each non-GEMM kernel of a pass is from its memory floor, and from fla's kernel for the
+same maths where fla has one.
 
 The state pass's profile (`bench.state_pass --profile-out`) says where its non-GEMM time goes: the
 delta rule, the norms, silu-mul, attention, the conv. This says how much of it better kernels
-could win, and where to look first. Each kernel of one layer runs alone on the pass's tokens
-(new documents, or with `--rows` question rows continuing stored states; Kev-4B's heads), timed
-as a CUDA graph of `--reps` launches (no launch gaps), and
-is set against:
+could win, and where to look first. Each kernel of one layer runs alone on the pass's tokens (new
+documents, or with `--rows` question rows continuing stored states; Kev-4B's heads), timed as a
+CUDA graph of `--reps` launches (no launch gaps), and is set against:
 - its floor: the bytes it must read and write, at the bandwidth a device-to-device copy reaches in
   the same run (`copy_gbps`);
 - fla's kernel for the same maths, where fla has one. A library kernel faster than ours is a swap
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import capture, cuda_ms, kev4b_config, run_info, write_json
+from bench.common import KEV_4B, capture, cuda_ms, kev4b_config, run_info, write_json
 from kev.model.config import ModelConfig
 
 BF16, FP32 = 2, 4
@@ -50,8 +49,6 @@ class Case:
 
 def tiny_config() -> ModelConfig:
     """Kev-4B's head dims (the kernels' constexprs) at a small width: the harness on CPU."""
-    from bench.common import KEV_4B
-
     return ModelConfig.from_dict(dict(KEV_4B, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                       num_attention_heads=2, num_key_value_heads=1,
                                       linear_num_key_heads=2, linear_num_value_heads=4))
