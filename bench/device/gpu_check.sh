@@ -86,12 +86,13 @@ for what in "${@:-tests perf}"; do
                 step state_pass 200 python3 -m bench.state_pass --out "$OUT/state_pass.json" ;;
             load-shapes)  # where a pass's GPU time goes at the pass sizes the load runs (64 clients: six-short's
                 # ~63 rows x 32 tokens over 48-token documents and ~11 new documents a state pass;
-                # varied's ~60 rows of ~50 tokens over ~900-token documents and ~13 documents of ~870).
+                # varied's ~60 rows of ~50 tokens over ~900-token documents and ~13 documents of ~870;
+                # bench.row_pass spreads its rows over 16 documents, a whole number each: 64 rows).
                 # Under load_shapes/, so they do not replace the benchmarks' own files in bench/results.
                 # bench.state_pass runs eagerly: at ~500 tokens its measured_ms is host-bound, so read
                 # its profile (profile_gpu_ms and the kernel table); bench.row_pass replays a graph.
                 mkdir -p "$OUT/load_shapes"
-                for shape in "six-short 63 32 48 11 48" "varied 60 48 896 13 864"; do
+                for shape in "six-short 64 32 48 11 48" "varied 64 48 896 13 864"; do
                     set -- $shape
                     step "row_pass_$1" 150 python3 -m bench.row_pass --rows "$2" --row-tokens "$3" --doc-tokens "$4" \
                         --reps 11 --out "$OUT/load_shapes/row_pass_$1.json" --profile-out "$OUT/load_shapes/row_pass_$1.txt"
