@@ -162,19 +162,25 @@ def start_baseline(checkpoint: Path, args, workdir: Path) -> Running:
     proc = Proc("baseline", cmd, env, workdir / "baseline.log")
     proc.start()
     deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(addr) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if not proc.alive or time.monotonic() > deadline:
-                proc.stop()
-                raise RuntimeError(f"the baseline did not start; log tail:\n{proc.log_tail()}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service="kev.v1.Scorer"), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
+    try:
+        with grpc.insecure_channel(addr) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if not proc.alive or time.monotonic() > deadline:
+                    raise RuntimeError(f"the baseline did not start; log tail:\n{proc.log_tail()}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(service="kev.v1.Scorer"), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+    except BaseException:
+        # a failed start, or a SIGTERM (a `timeout` around the run) while it warms up: the process
+        # runs in a session of its own, so nothing else would stop it (session 30's cut call left
+        # it running, with the MPS server it held)
+        proc.stop()
+        raise
     running = Running(addr, f"http://127.0.0.1:{metrics_port}/metrics", proc.stop,
                       lambda: {"baseline": proc.log_tail(2000)})
     text = proc.log_path.read_text(errors="replace")

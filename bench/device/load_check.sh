@@ -34,11 +34,6 @@ sampler=$!
 timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$workloads" --sweep 1,8,32,64 \
     --duration 5 --warmup-s 2 --out-dir "$OUT" --png-dir /tmp/load_png "$@" > "$OUT/load_compare.log" 2>&1
 rc=$?
-# A run cut by its limit may leave a service or the baseline behind (each runs in a session of its
-# own, so the timeout's signal never reaches it): killed here, so the MPS daemon's quit at exit finds
-# no client left. Session 30's cut call left its daemon up (the next call's could not start) and ran
-# to the device tool's own limit, its files lost.
-pkill -KILL -f -- '-m (bank_service|scorer_service|bench\.load_baseline)( |$)' 2>/dev/null
 kill "$sampler" 2>/dev/null
 triton_cache_pack
 echo "load_compare: rc $rc after ${SECONDS} s"

@@ -498,3 +498,37 @@ def test_the_prepare_benchmark_runs(tmp_path):
     assert set(out) == set(prepare.WORKLOADS_MEASURED)
     for figures in out.values():
         assert figures["repeat_cached_ms"] > 0 and figures["repeat_no_cache_ms"] > 0 and figures["doc_tokens_mean"] > 1
+
+
+def test_an_interrupt_while_the_baseline_starts_stops_its_process(tmp_path, monkeypatch):
+    """A SIGTERM (a SystemExit in the main thread) while the baseline warms up must stop its
+    process: it runs in a session of its own, where the `timeout`'s signal never reaches it."""
+    import os
+    import types
+
+    from bench import load_compare
+
+    started = []
+
+    class Spy(load_compare.Proc):
+        def start(self):
+            super().start()
+            started.append((self, self.popen.pid))
+
+    sleep = load_compare.time.sleep
+
+    def interrupt(seconds):  # the first wait between health checks (Popen.wait's own waits sleep)
+        monkeypatch.setattr(load_compare.time, "sleep", sleep)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(load_compare, "Proc", Spy)
+    monkeypatch.setattr(load_compare.time, "sleep", interrupt)
+    args = types.SimpleNamespace(device="cpu", baseline_max_batch_tokens=4096, max_document_tokens=4096,
+                                 torch_threads=1, baseline_warm_widths=[48], baseline_warm_rows=8,
+                                 baseline_warm_min_rows=1)
+    with pytest.raises(SystemExit):
+        load_compare.start_baseline(tmp_path / "no-checkpoint", args, tmp_path)
+    (proc, pid), = started
+    assert proc.popen is None, "the baseline was not stopped"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
