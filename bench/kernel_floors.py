@@ -214,7 +214,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = kev4b_config() if args.config == "kev-4b" else tiny_config()
     gbps = copy_gbps(args.device, 1 << 30 if args.device == "cuda" else 1 << 20)
-    rows = []
+    results = []
     with torch.no_grad():
         for case in cases(cfg, args.seqs, args.seq_tokens, args.device, rows=args.rows):
             ms, graphed = time_ms(case.ours, args.reps, args.device)
@@ -230,14 +230,15 @@ def main() -> None:
                         row["max_abs_vs_fla"] = (a.float() - b.float()).abs().max().item()
                 except Exception as e:  # noqa: BLE001 - fla's signature or layout differs: say so, go on
                     row.update(fla_error=f"{type(e).__name__}: {e}"[:300])
-            rows.append(row)
+            results.append(row)
             print(f"{case.name:24s} {ms:8.3f} ms (x{case.count}: {ms * case.count:7.2f})  floor {floor:7.3f} "
                   f"({floor / ms:4.0%} of bandwidth)" + (f"  fla {row['fla_ms']:8.3f}" if "fla_ms" in row else
                                                          "  fla -" if case.fla is None else "  fla error"))
     result = {**run_info(), "model": args.config, "rows": args.rows, "seqs": args.seqs,
-              "seq_tokens": args.seq_tokens, "tokens": args.seqs * args.seq_tokens, "reps": args.reps, "copy_gbps": gbps, "kernels": rows,
-              "per_pass_ms": sum(r["per_pass_ms"] for r in rows),
-              "per_pass_floor_ms": sum(r["floor_ms"] * r["count"] for r in rows)}
+              "seq_tokens": args.seq_tokens, "tokens": args.seqs * args.seq_tokens, "reps": args.reps,
+              "copy_gbps": gbps, "kernels": results,
+              "per_pass_ms": sum(r["per_pass_ms"] for r in results),
+              "per_pass_floor_ms": sum(r["floor_ms"] * r["count"] for r in results)}
     write_json(args.out, result)
 
 
