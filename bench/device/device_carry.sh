@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what the GPU machine lacks for the benchmarks (it has torch and triton, no package index,
 # no redis-server), into git-ignored folders that the device tool's `carry` sends along:
-#   .whl         fla-core (pure Python)
+#   .whl         fla-core, and pytest-xdist + execnet for gpu_check.sh's KEV_TEST_WORKERS (pure Python)
 #   .whl_load    cp312 wheels: grpcio, grpcio-health-checking, grpcio-reflection, protobuf, redis
 #   .redis_carry this machine's redis-server + the libraries the GPU machine lacks, behind a wrapper
 # Run from the repository root on this (CPU) machine: bash bench/device/device_carry.sh
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PIP="${PIP:-.venv/bin/pip}"
 mkdir -p .whl .whl_load .redis_carry/lib
-"$PIP" download -q --no-deps fla-core==0.6.0 -d .whl
+"$PIP" download -q --no-deps fla-core==0.6.0 pytest-xdist==3.8.0 execnet==2.1.2 -d .whl
 "$PIP" download -q --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
     -d .whl_load grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 redis==8.1.0
 cp "$(command -v redis-server)" .redis_carry/redis-server.bin
