@@ -9,6 +9,8 @@ Run here (the CPU machine), on the folder the device tool returned (its `files_a
   commit is inside (`commit`). A load file that is not `complete` (a run cut short) and a file
   without a real commit (`KEV_COMMIT` unset: `unknown`) do not replace one there (`--force` does);
 - Triton's compile cache (`triton_cache.txz.part*`) replaces `.triton_carry/`, for the next call;
+- `files.tgz` (what `out_bundle` in triton_cache.sh packs when a call writes more files than the
+  tool returns) is unpacked first and sorted as if its files had come back one by one;
 - everything, the JSONs included (logs, `gpu_util.csv`, profiles, plots, `load_ab.sh`'s per-run
   folders), is copied to `runs/<time>_<commit>/` (git-ignored): a single run's record stays out of git.
 
@@ -21,11 +23,14 @@ import argparse
 import json
 import shutil
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_PARTS = "triton_cache.txz.part*"
+BUNDLE = "files.tgz"
 
 
 def read_json(path: Path) -> dict | list | None:
@@ -54,6 +59,23 @@ def why_not_a_result(data) -> str | None:
 
 def collect(src: Path, root: Path = ROOT, force: bool = False, stamp: str | None = None) -> dict:
     """Copies `src` as the module docstring says; returns what went where."""
+    if not (src / BUNDLE).is_file():
+        return _collect(src, root, force, stamp)
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = Path(tmp)
+        for p in src.iterdir():
+            if p.name == BUNDLE:
+                continue
+            if p.is_dir():
+                shutil.copytree(p, flat / p.name, copy_function=shutil.copyfile)
+            else:
+                shutil.copyfile(p, flat / p.name)
+        with tarfile.open(src / BUNDLE) as tar:
+            tar.extractall(flat, filter="data")
+        return _collect(flat, root, force, stamp)
+
+
+def _collect(src: Path, root: Path, force: bool, stamp: str | None) -> dict:
     jsons = sorted(p for p in src.glob("*.json") if p.is_file())
     commits = {commit_of(read_json(p)) for p in jsons} - {None, "unknown"}
     label = "+".join(sorted(c[:7] for c in commits)) or "unknown"

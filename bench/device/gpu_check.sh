@@ -113,4 +113,5 @@ for what in "${@:-tests perf}"; do
         esac
     done
 done
+out_bundle  # before the cache: its parts must fit beside what comes back
 triton_cache_pack  # for the next call of the session: carry it as .triton_carry

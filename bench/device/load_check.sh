@@ -35,6 +35,7 @@ timeout "$limit" python3 -m bench.load_compare --device cuda --workload "$worklo
     --duration 5 --warmup-s 2 --out-dir "$OUT" --png-dir /tmp/load_png "$@" > "$OUT/load_compare.log" 2>&1
 rc=$?
 kill "$sampler" 2>/dev/null
-triton_cache_pack
 echo "load_compare: rc $rc after ${SECONDS} s"
 grep -E '^(==|   )|x(1|8|32|64)\] +[5-9]\.[0-9] s|req/s p99|errors' "$OUT/load_compare.log" | tail -40
+out_bundle  # after the summary (it reads the log), before the cache: its parts must fit beside the rest
+triton_cache_pack

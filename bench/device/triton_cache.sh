@@ -22,6 +22,16 @@ triton_cache_restore() {  # fills TRITON_CACHE_DIR from .triton_carry; says whic
     echo "triton compile cache: $KEV_COMPILE_CACHE"
 }
 
+out_bundle() {  # more files under $OUT than come back beside the cache's parts: all of them in one files.tgz
+    # (the device tool returns 8 files; load-shapes alone writes 12). collect.py unpacks it.
+    local n
+    n=$(find "$OUT" -type f | wc -l)
+    if [ "$n" -gt 5 ]; then
+        tar czf /tmp/files.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/files.tgz "$OUT/files.tgz"
+        echo "$n files under \$OUT bundled into files.tgz"
+    fi
+}
+
 triton_cache_pack() {  # the cache into $OUT as parts of 15 MB (the device tool returns 8 files of <= 16 MiB)
     tar cf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | xz -T0 -6 > /tmp/triton_cache.txz
     local size

@@ -105,3 +105,30 @@ def test_collect_sorts_a_device_call(tmp_path):
     assert sorted(p.name for p in (root / ".triton_carry").iterdir()) == ["triton_cache.txz.part00"]
     collect(src, root, stamp="t")  # again: the read-only source copied over its own earlier copies
     assert (root / "bench/results/single_request.json").stat().st_mode & 0o200
+
+
+def test_a_call_with_more_files_than_come_back_is_bundled_and_collected(tmp_path):
+    """triton_cache.sh's out_bundle packs $OUT into one files.tgz once it holds more than the tool
+    returns beside the cache's parts; collect unpacks it and sorts it as if the files came back."""
+    from bench.device.collect import collect
+
+    out, root = tmp_path / "out", tmp_path / "repo"
+    (out / "load_shapes").mkdir(parents=True)
+    (out / "kernel_floors.json").write_text(json.dumps({"commit": "abc1234"}))
+    for i in range(6):
+        (out / "load_shapes" / f"row_pass_{i}.txt").write_text(str(i))
+    few = tmp_path / "few"
+    few.mkdir()
+    (few / "single_request.json").write_text(json.dumps({"commit": "abc1234"}))
+    for folder in (out, few):
+        script = f"source {ROOT}/bench/device/triton_cache.sh; OUT={folder} out_bundle"
+        subprocess.run(["bash", "-c", script], check=True, capture_output=True)
+    assert [p.name for p in out.iterdir()] == ["files.tgz"]
+    assert [p.name for p in few.iterdir()] == ["single_request.json"]  # five files or fewer: left as they are
+
+    (out / "triton_cache.txz.part00").write_bytes(b"xz")
+    done = collect(out, root, stamp="t")
+    assert done["results"] == ["kernel_floors.json"] and done["cache"] == ["triton_cache.txz.part00"]
+    run = root / "runs/t_abc1234"
+    assert {p.name for p in run.iterdir()} == {"kernel_floors.json", "load_shapes"}
+    assert (run / "load_shapes/row_pass_5.txt").read_text() == "5"
