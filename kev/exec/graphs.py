@@ -99,7 +99,7 @@ class KeyLadder:
         return tuple(sorted({*token_ladder(self.max_tokens), *self.half_steps}))
 
     def chunk_sizes(self, tokens: int) -> tuple[int, ...]:
-        least = cdiv(tokens, CHUNK) + 1  # one sequence filling T, and the (empty) padding sequence
+        least = cdiv(tokens, CHUNK) + 1  # one sequence filling T, and one spare (the no-ops' own when T is full)
         if tokens in self.half_steps:
             return (next(c for c in CHUNK_STEPS if c >= least),)
         # the top of the ladder holds every pass within the caps, however short its sequences

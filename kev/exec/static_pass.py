@@ -3,13 +3,18 @@ pass into them without changing any real sequence's result.
 
 A key (`GraphKey`) fixes T tokens and C chunk-list entries (chunks of CHUNK tokens; C sequences
 too). A pass is packed as it is: its n sequences end to end, no padding between them (the eager
-layout, `RowBatch` / `Passes._chunk_pass`). Then sequences n .. C-2 are empty and sequence C-1 is
-the padding sequence, tokens [T_real, T), which reads nothing and writes nowhere. The pass fits
-when T_real <= T, n < C and its chunks plus the padding sequence's are at most C (`GraphKey.fits`).
+layout, `RowBatch` / `Passes._chunk_pass`). Then come the padding sequences, tokens [T_real, T)
+in pieces of at most CHUNK tokens (`padding_lens`), which read nothing and write nowhere, and the
+rest of the C sequences are empty. The pass fits when T_real <= T, n < C and its chunks plus the
+padding's are at most C (`GraphKey.fits`); every real sequence has a chunk, so the padding pieces
+always have sequences to go in. Why pieces: the scan walks each sequence's chunks one after
+another, so one padding sequence of a few hundred tokens was the longest sequence of a pass of
+short documents and set the length of its state kernel (a pass of 11 x 48-token documents padded
+to 640 tokens walked two chunks where its documents need one).
 
 The chunk lists are filled with each pass (`packed_chunk_lists`): the real sequences' chunks, then the
-padding sequence's, then no-op entries (chunks past the padding sequence's end: every kernel masks
-all their rows; paged attention walks no keys for them). Entry positions equal the offsets plus
+padding's, then no-op entries of the last sequence (chunks past its end: every kernel masks all
+their rows; paged attention walks no keys for them). Entry positions equal the offsets plus
 the chunk index, as the scan's `h` and fla's `chunk_fwd_o` read them. Every index tensor a pass
 reads (tokens, positions, cu_seqlens, slots, prefix lengths, block table, picks and the decision
 head's layout of them, chunk lists) is a
@@ -57,7 +62,7 @@ class GraphKey:
 
     @property
     def num_slots(self) -> int:
-        """Sequences in the padded pass: real, empty, and the padding sequence last."""
+        """Sequences in the padded pass: real, padding (at most a chunk each), then empty."""
         return self.chunks
 
     @property
@@ -99,28 +104,37 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def padding_lens(padding: int) -> list[int]:
+    """The padding sequences that fill a pass up to its key's tokens: CHUNK tokens each, the last
+    the rest (none for no padding). One chunk each, so no padding sequence is longer than a chunk."""
+    return [CHUNK] * (padding // CHUNK) + ([padding % CHUNK] if padding % CHUNK else [])
+
+
 def chunks_needed(lens: Sequence[int], tokens: int, block: int = CHUNK) -> int:
-    """Chunk-list entries of sequences of `lens` padded to `tokens` by one padding sequence."""
-    return sum(cdiv(n, block) for n in lens) + cdiv(tokens - sum(lens), block)
+    """Chunk-list entries of sequences of `lens` padded to `tokens` by the padding sequences."""
+    return sum(cdiv(n, block) for n in (*lens, *padding_lens(tokens - sum(lens))))
 
 
 def entries_needed(lens: Sequence[int], tokens: int) -> int:
     """The least C of a key of `tokens` tokens that holds sequences of `lens`: their chunks and the
-    padding sequence's, and a sequence slot each plus the padding sequence's (the fit test, once)."""
+    padding's, and a sequence slot each plus one (the fit test, once)."""
     return max(chunks_needed(lens, tokens), len(lens) + 1)
 
 
 def packed_chunk_lists(lens: Sequence[int], tokens: int, slots: int, block: int, entries: int
                        ) -> tuple[list[int], list[int]]:
-    """The chunk list of sequences of `lens` tokens, then empty sequences, then the padding
-    sequence (index slots - 1) up to `tokens`, whose entries run on past its end to fill `entries`
-    (no-ops): (sequence, chunk) pairs flattened, and the chunk offsets ([slots + 1]). Python ints:
-    it runs in front of every replay, where each torch op would give the GIL up (`StaticPass`)."""
-    per = [cdiv(n, block) for n in lens] + [0] * (slots - len(lens))
+    """The chunk list of sequences of `lens` tokens, then the padding sequences up to `tokens`, then
+    empty sequences; the last of the `slots` sequences' entries run on past its end to fill
+    `entries` (no-ops): (sequence, chunk) pairs flattened, and the chunk offsets ([slots + 1]).
+    Python ints: it runs in front of every replay, where each torch op would give the GIL up
+    (`StaticPass`)."""
+    seqs = [*lens, *padding_lens(tokens - sum(lens))]
+    per = [cdiv(n, block) for n in seqs] + [0] * (slots - len(seqs))
     used = sum(per)
-    if used + cdiv(tokens - sum(lens), block) > entries:
-        raise ValueError(f"{len(lens)} sequences of {sum(lens)} tokens in {tokens} need more than {entries} entries")
-    per[-1] = entries - used  # the padding sequence's chunks, then the no-ops
+    if used > entries or len(seqs) > slots:
+        raise ValueError(f"{len(lens)} sequences of {sum(lens)} tokens in {tokens} need more than {entries} entries "
+                         f"or {slots} sequences")
+    per[-1] += entries - used  # the no-ops, past the last sequence's end
     pairs = [v for seq, count in enumerate(per) for chunk in range(count) for v in (seq, chunk)]
     return pairs, list(accumulate(per, initial=0))
 
@@ -193,23 +207,26 @@ class StaticPass:
                read: Iterable[int] | int, write: Iterable[int] | int, prefix: Iterable[int],
                picks: Sequence[int] = (), head: Sequence[Sequence[int]] = ((), (), ())) -> torch.Tensor:
         """One pass as a host int64 block laid out as the device one (`_sizes`): the n real
-        sequences (`tokens` and `positions` in parts, end to end), then empty ones (cu_seqlens at
-        the real tokens' end, slots -1), then the padding sequence to T (token 0 at its own
-        positions 0..). `read` / `write` may be one int for every sequence. Padding picks read
+        sequences (`tokens` and `positions` in parts, end to end), then the padding sequences to
+        T (token 0 at their own positions 0..), then empty ones (cu_seqlens at T); slots -1 after
+        the real ones. `read` / `write` may be one int for every sequence. Padding picks read
         token 0 (a real position; their outputs are dropped). `head`: the real picks' decision-
         head layout (`kev.request.head.pick_layout`); padding picks take 0s (outside every softmax)."""
         key = self.key
         T, N, n, Tr = key.num_tokens, key.num_slots, len(lens), sum(lens)
+        padding = padding_lens(T - Tr)
+        if n + len(padding) > N:
+            raise ValueError(f"{n} sequences and {len(padding)} padding sequences in a key of {N} (key {key})")
         out = array("q")
         for part in tokens:
             _extend(out, part)
         _repeat(out, 0, T - Tr)
         for part in positions:
             _extend(out, part)
-        _extend(out, range(T - Tr))
-        out.extend(accumulate(lens, initial=0))
-        _repeat(out, Tr, N - n - 1)
-        out.append(T)
+        for piece in padding:
+            _extend(out, range(piece))
+        out.extend(accumulate((*lens, *padding), initial=0))
+        _repeat(out, T, N - n - len(padding))
         for per_seq, none in ((write, -1), (read, -1), (prefix, 0)):
             if isinstance(per_seq, int):
                 _repeat(out, per_seq, n)

@@ -10,6 +10,8 @@ hold exactly fla's chunks of the padded pass, then no-ops. The policy runs with 
 bookkeeping over the torch maths and a stand-in for graph capture.
 """
 
+from itertools import accumulate
+
 import pytest
 import torch
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
@@ -75,7 +77,11 @@ def test_row_layout_gives_the_real_rows(model, key):
     assert P == batch.picks.shape[0] and rel_err(ref, out) <= 1e-5
     assert torch.equal(sp.tokens[:118], batch.tokens) and sp.tokens[118:].eq(0).all()
     assert sp.read_slots[5:].eq(-1).all() and sp.write_slots.eq(-1).all() and sp.prefix_lens[5:].eq(0).all()
-    assert sp.cu_seqlens.tolist() == batch.cu_seqlens.tolist() + [118] * (key.chunks - 6) + [key.tokens]
+    # the padding in sequences of at most one chunk (64 tokens), then empty sequences at T
+    padding_ends = {160: [160], 256: [182, 246, 256]}[key.tokens]
+    empty = key.chunks + 1 - 6 - len(padding_ends)
+    assert sp.cu_seqlens.tolist() == batch.cu_seqlens.tolist() + padding_ends + [key.tokens] * empty
+    assert sp.positions[118:].tolist() == [p for a, b in zip([118, *padding_ends], padding_ends) for p in range(b - a)]
     for b, a in zip(before, runner.bank.pools.tensors()):
         assert torch.equal(b, a), "a padded row pass changed the bank"
 
@@ -113,25 +119,33 @@ def test_state_layout_writes_identical_states(model, chunk_tokens):
 @pytest.mark.parametrize("block", [CHUNK, 16])
 def test_packed_chunks_are_fla_chunks_then_no_ops(block):
     """Over random passes: the list starts with exactly fla's chunk list of the padded cu_seqlens
-    (real sequences, empty ones, the padding sequence), fla's offsets match, and the rest are no-op
-    entries of the padding sequence past its end whose positions stay inside the list."""
+    (real sequences, the padding in sequences of at most CHUNK tokens, empty ones), fla's offsets
+    match, and the rest are no-op entries of the last sequence past its end whose positions stay
+    inside the list."""
     g = torch.Generator().manual_seed(7)
     for _ in range(40):
         n = int(torch.randint(1, 9, (1,), generator=g))
         lens = torch.randint(1, 150, (n,), generator=g).tolist()
-        T = sum(lens) + int(torch.randint(0, 100, (1,), generator=g))
-        slots = n + 1 + int(torch.randint(0, 4, (1,), generator=g))
+        pad = int(torch.randint(0, 200, (1,), generator=g))
+        T = sum(lens) + pad
+        pieces = [CHUNK] * (pad // CHUNK) + [pad % CHUNK] * (pad % CHUNK > 0)
+        slots = n + max(len(pieces), 1) + int(torch.randint(0, 4, (1,), generator=g))
         entries = chunks_needed(lens, T, block) + int(torch.randint(0, 5, (1,), generator=g))
         chunks, offsets = packed_chunks(lens, T, slots, block, entries)
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()] + [sum(lens)] * (slots - n - 1) + [T])
+        seqs = lens + pieces
+        cu = torch.tensor([0, *torch.tensor(seqs).cumsum(0).tolist()] + [T] * (slots - len(seqs)))
         fla = prepare_chunk_indices(cu, block)
         assert chunks.shape == (entries, 2) and torch.equal(chunks[: len(fla)], fla)
         assert torch.equal(offsets[:-1], prepare_chunk_offsets(cu, block)[:-1]) and offsets[-1] == entries
         extra = chunks[len(fla):]
         assert extra[:, 0].eq(slots - 1).all() and (offsets[slots - 1] + extra[:, 1]).lt(entries).all()
-        assert cdiv_t(T - sum(lens), block) <= extra[:, 1].min().item() if len(extra) else True
+        last = seqs[-1] if len(seqs) == slots else 0  # the last sequence: a padding piece, or empty
+        assert cdiv_t(last, block) <= extra[:, 1].min().item() if len(extra) else True
+        assert max(len(fla) and torch.bincount(fla[:, 0])[n:].tolist() or [0]) <= CHUNK // block  # pieces: one chunk
     with pytest.raises(ValueError, match="need more than"):
         packed_chunks([64, 64], 200, 3, CHUNK, 3)
+    with pytest.raises(ValueError, match="need more than"):  # room for the entries, not for the padding's sequences
+        packed_chunks([64], 200, 2, CHUNK, 8)
 
 
 def cdiv_t(a, b):
@@ -157,8 +171,12 @@ def test_state_fill_matches_the_layout():
         sp.fill_state(docs, slots, table, starts)
         real = sum(len(d) for d in docs)
         assert sp.tokens.tolist() == [t for d in docs for t in d] + [0] * (key.tokens - real)
+        pad = key.tokens - real  # in sequences of at most 64 tokens, each from position 0
         assert sp.positions.tolist() == [s + i for s, d in zip(starts, docs) for i in range(len(d))] + \
-            list(range(key.tokens - real))
+            [i % 64 for i in range(pad)]
+        ends = [real + min(64 * (j + 1), pad) for j in range(-(-pad // 64))]
+        cu = [0, *accumulate(len(d) for d in docs)]
+        assert sp.cu_seqlens.tolist() == cu + ends + [key.tokens] * (key.chunks + 1 - len(cu) - len(ends))
         assert sp.write_slots.tolist() == slots + [-1] * (key.chunks - n)
         assert sp.read_slots.tolist() == [s if st else -1 for s, st in zip(slots, starts)] + [-1] * (key.chunks - n)
         assert sp.prefix_lens.tolist() == starts + [0] * (key.chunks - n)

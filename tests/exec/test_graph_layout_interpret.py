@@ -3,8 +3,8 @@
 The conv, delta-rule and attention kernels (TritonOps, with the static chunk lists a key pins)
 give bit-identical outputs for the real tokens, and store bit-identical states, when a pass is
 packed into a key (kev.exec.static_pass): its sequences end to end as in the unpadded pass (the
-real tokens first), then empty sequences and one padding sequence up to T tokens that reads
-nothing and writes nowhere, and no-op entries filling the chunk lists to C. Rows (ROWS), new
+real tokens first), then padding sequences of at most one chunk each up to T tokens, which read
+nothing and write nowhere, then empty sequences, and no-op entries filling the chunk lists to C. Rows (ROWS), new
 documents and continuing chunks that read their slot (STATE). The same check at the real head
 dims runs on the GPU (tests/exec/test_graphs_gpu.py). Few cases: the interpreter is slow.
 """
@@ -30,18 +30,20 @@ def inputs(cfg, T, g):
 
 @pytest.mark.parametrize("key,lens,starts,hv_per_h", [
     # rows: `pytest -m slow` (~15 s); the GPU suite checks row-key padding exact in every token-mixing kernel.
-    # Two rows over two chunks, four empty sequences, a 24-token padding sequence, a no-op entry.
+    # Two rows over two chunks, a 24-token padding sequence, four empty sequences, a no-op entry.
     pytest.param(GraphKey(PassKind.ROWS, 192, 8), [65, 100, 3], None, 2, marks=pytest.mark.slow),
-    # an empty sequence, the padding sequence (50 tokens), a no-op chunk; three value heads per key
+    # a padding sequence (50 tokens), an empty one, a no-op chunk; three value heads per key
     # head (Kev-27B's 48 / 16: the other cases have two)
     (GraphKey(PassKind.STATE, 128, 4), [48, 30], None, 3),
+    # 196 padding tokens: four padding sequences (64, 64, 64, 4 tokens), the last in the key's last slot
+    (GraphKey(PassKind.STATE, 256, 6), [40, 20], None, 2),
     # no padding tokens (an empty padding sequence: its entries all no-ops), documents ending mid-chunk:
     # `pytest -m slow` (~25 s); the GPU suite's packed-key tests cover it at the real head dims
     pytest.param(GraphKey(PassKind.STATE, 205, 8), [130, 70, 5], None, 2, marks=pytest.mark.slow),
     # a long document's next chunk continuing the state in its slot (reads it), beside a new document:
     # `pytest -m slow` (~30 s); tests/exec/test_graph_layout.py runs continuing chunks through the torch ops
     pytest.param(GraphKey(PassKind.STATE, 128, 6), [40, 20], [64, 0], 2, marks=pytest.mark.slow),
-], ids=["rows", "state-hv_per_h=3", "state-spare-entries", "state-continuing"])
+], ids=["rows", "state-hv_per_h=3", "state-padding-pieces", "state-spare-entries", "state-continuing"])
 def test_key_padding_is_bit_exact(interp, key, lens, starts, hv_per_h):
     cfg = tiny_config(hv_per_h=hv_per_h)
     g = torch.Generator().manual_seed(1)
