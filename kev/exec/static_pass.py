@@ -8,9 +8,9 @@ in pieces of at most CHUNK tokens (`padding_lens`), which read nothing and write
 rest of the C sequences are empty. The pass fits when T_real <= T, n < C and its chunks plus the
 padding's are at most C (`GraphKey.fits`); every real sequence has a chunk, so the padding pieces
 always have sequences to go in. Why pieces: the scan walks each sequence's chunks one after
-another, so one padding sequence of a few hundred tokens was the longest sequence of a pass of
-short documents and set the length of its state kernel (a pass of 11 x 48-token documents padded
-to 640 tokens walked two chunks where its documents need one).
+another, so one padding sequence of a few hundred tokens would be the longest sequence of a pass
+of short ones and set the length of its state kernel (11 x 48-token documents in a 640-token key:
+two chunks walked where the documents need one).
 
 The chunk lists are filled with each pass (`packed_chunk_lists`): the real sequences' chunks, then the
 padding's, then no-op entries of the last sequence (chunks past its end: every kernel masks all
