@@ -5,7 +5,9 @@ The state pass's profile (`bench.state_pass --profile-out`) says where its non-G
 delta rule, the norms, silu-mul, attention, the conv. This says how much of it better kernels
 could win, and where to look first. Each kernel of one layer runs alone on the pass's tokens (new
 documents, or with `--rows` question rows continuing stored states; Kev-4B's heads), timed as a
-CUDA graph of `--reps` launches (no launch gaps), and is set against:
+CUDA graph of `--reps` launches (no launch gaps), each after a read that flushes the L2 cache, whose
+own time is taken off (`--warm-l2`: none; 13a81dc's figures had none, so its small shapes read
+their inputs from L2), and is set against:
 - its floor: the bytes it must read and write, at the best bandwidth a plain torch op reaches in
   the same run (`stream_gbps`: a device-to-device copy, or an add reading two tensors and writing a
   third, whichever is faster). The copy alone read 2,772 GB/s on the H200 (13a81dc), where our
@@ -172,28 +174,56 @@ def cases(cfg: ModelConfig, seqs: int, seq_tokens: int, device: str, rows: bool 
     ]
 
 
-def time_ms(fn: Callable[[], object], reps: int, device: str) -> tuple[float, bool]:
+def time_ms(fn: Callable[[], object], reps: int, device: str, flush: Callable[[], object] | None = None
+            ) -> tuple[float, bool]:
     """(ms a call, whether from a CUDA graph). On CUDA `reps` calls are captured in one graph after
     warm calls (compiles, autotunes: `bench.common.capture`); a call that cannot be captured (a host
-    sync inside) is timed eagerly between events instead, launch gaps included. On CPU: wall time
-    (the harness only)."""
+    sync inside) is timed eagerly between events instead, launch gaps included. With `flush`, each
+    call follows a flush of the L2 cache, and a graph of the flushes alone is timed and taken off:
+    a small pass's inputs (a few MB) would otherwise stay in L2 from one replay to the next and beat
+    the DRAM floor. On CPU: wall time (the harness only)."""
 
-    def calls():
-        for _ in range(reps):
-            fn()  # each result dropped at once: the graph's pool reuses its memory
+    def calls(with_fn=True):
+        def run():
+            for _ in range(reps):
+                if flush is not None:
+                    flush()
+                if with_fn:
+                    fn()  # each result dropped at once: the graph's pool reuses its memory
+        return run
 
     if device != "cuda":
         fn()
         start = time.perf_counter()
-        calls()
+        calls()()
         return (time.perf_counter() - start) * 1e3 / reps, False
+    flushes_ms = 0.0
     try:
-        graph, _ = capture(calls)
+        graph, _ = capture(calls())
         graph.replay()
-        return cuda_ms(graph.replay, 1)[0] / reps, True
+        total = cuda_ms(graph.replay, 1)[0]
+        if flush is not None:
+            flush_graph, _ = capture(calls(with_fn=False))
+            flush_graph.replay()
+            flushes_ms = cuda_ms(flush_graph.replay, 1)[0]
+        return (total - flushes_ms) / reps, True
     except Exception:  # noqa: BLE001 - a kernel that syncs with the host inside: time it eagerly
         torch.cuda.synchronize()
-        return cuda_ms(calls, 1)[0] / reps, False
+        if flush is not None:
+            flushes_ms = cuda_ms(calls(with_fn=False), 1)[0]
+        return (cuda_ms(calls(), 1)[0] - flushes_ms) / reps, False
+
+
+def l2_flush(device: str) -> Callable[[], object] | None:
+    """A read of twice the GPU's L2 cache (the H200's is 60 MB) that leaves none of a kernel's inputs
+    there; None on CPU. A read, not a write: written lines would be written back to DRAM while the
+    timed kernel runs, on its bandwidth."""
+    if device != "cuda":
+        return None
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    scratch = torch.ones(max(2 * l2, 1 << 20) // 4, dtype=torch.float32, device=device)
+    total = torch.empty((), dtype=torch.float32, device=device)
+    return lambda: torch.sum(scratch, dim=0, out=total)
 
 
 def stream_gbps(device: str, nbytes: int = 1 << 30) -> dict[str, float]:
@@ -216,20 +246,23 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--config", choices=("kev-4b", "tiny"), default="kev-4b")
+    ap.add_argument("--warm-l2", action="store_true",
+                    help="no L2 flush before each call (13a81dc's figures were taken so: small shapes ran from L2)")
     args = ap.parse_args()
     cfg = kev4b_config() if args.config == "kev-4b" else tiny_config()
     bandwidth = stream_gbps(args.device, 1 << 30 if args.device == "cuda" else 1 << 20)
     gbps = bandwidth["best"]
+    flush = None if args.warm_l2 else l2_flush(args.device)
     results = []
     with torch.no_grad():
         for case in cases(cfg, args.seqs, args.seq_tokens, args.device, rows=args.rows):
-            ms, graphed = time_ms(case.ours, args.reps, args.device)
+            ms, graphed = time_ms(case.ours, args.reps, args.device, flush)
             floor = case.bytes / (gbps * 1e9) * 1e3
             row = dict(kernel=case.name, count=case.count, ms=ms, graphed=graphed, floor_ms=floor,
                        of_bandwidth=floor / ms, per_pass_ms=ms * case.count, bytes=case.bytes)
             if case.fla is not None:
                 try:
-                    fla_ms, fla_graphed = time_ms(case.fla, args.reps, args.device)
+                    fla_ms, fla_graphed = time_ms(case.fla, args.reps, args.device, flush)
                     row.update(fla_ms=fla_ms, fla_graphed=fla_graphed, ours_over_fla=ms / fla_ms)
                     if case.same is not None:
                         a, b = case.same(case.ours(), case.fla())
@@ -242,6 +275,7 @@ def main() -> None:
                                                          "  fla -" if case.fla is None else "  fla error"))
     result = {**run_info(), "model": args.config, "rows": args.rows, "seqs": args.seqs,
               "seq_tokens": args.seq_tokens, "tokens": args.seqs * args.seq_tokens, "reps": args.reps,
+              "l2_flushed": flush is not None,
               "stream_gbps": gbps, "copy_gbps": bandwidth["copy"],
               "add_gbps": bandwidth["add"], "kernels": results,
               "per_pass_ms": sum(r["per_pass_ms"] for r in results),
