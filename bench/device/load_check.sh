@@ -27,7 +27,10 @@ shift $(( $# < 2 ? $# : 2 ))
 if [ "$limit" -gt 520 ]; then echo "limit $limit s capped at 520"; limit=520; fi
 source bench/device/load_env.sh
 load_env
-nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
+# The SM clock and temperature beside the power: at 64 clients the GPU sits at its 700 W limit, and
+# whether its clock drops there (passes slower than their benchmarks) is the open question of session 31.
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,power.draw,clocks.sm,clocks.mem,temperature.gpu \
+    --format=csv -lms 1000 > "$OUT/gpu_util.csv" 2>&1 &
 sampler=$!
 # No plots under $OUT: the device tool returns 8 files, and four workloads' JSONs, the log, the CSV and
 # the cache's parts are already that many (b4f5757's call lost load_varied.json to two PNGs).
