@@ -20,6 +20,7 @@
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-b perf"   # the next, cache carried (.triton_carry)
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh tests-c          # tests-b without its kernels (tests-b = kernels + tests-c)
 #     KEV_TESTS="tests/a.py::test_x tests/b.py" KEV_COMMIT=<sha> bash bench/device/gpu_check.sh named  # those tests only
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh kernels-ratios   # test_kernels_gpu.py at head ratios 2 and 3
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -68,6 +69,11 @@ for what in "${@:-tests perf}"; do
                 log=gpu_tests_named; i=1
                 while [ -e "$OUT/$log.log" ]; do i=$((i + 1)); log=gpu_tests_named_$i; done
                 step "$log" "${KEV_LIMIT_NAMED:-300}" python3 -m pytest "${PYTEST_GPU[@]}" ${KEV_TESTS:?set KEV_TESTS} ;;
+            kernels-ratios)  # test_kernels_gpu.py at value/key head ratios 2 and 3 only (ratio 1 ran most
+                # often); `-k` cannot hold the '=' of their ids, so they are collected by name here
+                ids=$(python3 -m pytest --collect-only -q -p no:cacheprovider tests/ops/test_kernels_gpu.py \
+                      | grep -E 'hv_per_h=(2|3)')
+                step gpu_tests_kernel_ratios "${KEV_LIMIT_NAMED:-300}" python3 -m pytest "${PYTEST_GPU[@]}" $ids ;;
             perf)
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt"
@@ -108,7 +114,7 @@ for what in "${@:-tests perf}"; do
                     --out "$OUT/load_shapes/kernel_floors_six-short.json"
                 step kernel_floors_six-short_rows 120 python3 -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows \
                     --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors)"
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors)"
                exit 2 ;;
         esac
     done
