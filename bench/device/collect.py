@@ -63,13 +63,8 @@ def collect(src: Path, root: Path = ROOT, force: bool = False, stamp: str | None
         return _collect(src, root, force, stamp)
     with tempfile.TemporaryDirectory() as tmp:
         flat = Path(tmp)
-        for p in src.iterdir():
-            if p.name == BUNDLE:
-                continue
-            if p.is_dir():
-                shutil.copytree(p, flat / p.name, copy_function=shutil.copyfile)
-            else:
-                shutil.copyfile(p, flat / p.name)
+        shutil.copytree(src, flat, ignore=shutil.ignore_patterns(BUNDLE), copy_function=shutil.copyfile,
+                        dirs_exist_ok=True)
         with tarfile.open(src / BUNDLE) as tar:
             tar.extractall(flat, filter="data")
         return _collect(flat, root, force, stamp)
