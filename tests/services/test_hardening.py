@@ -143,6 +143,7 @@ def test_question_cap_is_invalid_argument(stub):
 
 BIG_DOC_BYTES = 15 << 20
 RSS_GROWTH_BOUND = 500 << 20
+CLIENT_BOUND_S = 3.0
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -154,17 +155,27 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 def test_four_15_mib_documents_are_refused_fast_with_bounded_memory(stack, stub):
-    """4 concurrent 15 MiB documents: each INVALID_ARGUMENT in < 1 s, before tokenising; the
-    scorer's peak RSS (VmHWM) grows < 500 MB; a small request meanwhile is answered."""
+    """4 concurrent 15 MiB documents: each INVALID_ARGUMENT before tokenising, within 1 s of the
+    scorer holding it (its own latency histogram); the scorer's peak RSS (VmHWM) grows < 500 MB; a
+    small request meanwhile is answered.
+
+    End to end the client also pays for sending 60 MiB over loopback gRPC, which on CI's two busy
+    cores took 0.7-1.1 s; that bound is looser (CLIENT_BOUND_S), still well under the 6.7 s one
+    such document takes to tokenise alone on this project's 2-core machine."""
     import threading
     import time
 
     from kev.v1 import scorer_pb2 as pb
 
+    from bench.load import scrape
+
+    refused_within_1s = f'kev_scorer_requests_seconds_bucket{{code="INVALID_ARGUMENT",le="1.0"}}'
+    metrics_url = f"http://127.0.0.1:{stack.test_metrics_port}/metrics"
     pid = stack.scorers[0].pid
     stub.ScoreQuestions(pb.ScoreQuestionsRequest(document_text="hello", questions={
         "q": pb.Question(type=pb.Question.NOUL, instructions="is it")}), timeout=60)
     hwm_before = _status_kib(pid, "VmHWM") << 10
+    fast_before = scrape(metrics_url).get(refused_within_1s, 0.0)
     word = "customer refund late "
     texts = [(word * (BIG_DOC_BYTES // len(word) + 1))[:BIG_DOC_BYTES - i] for i in range(4)]
     results = []
@@ -197,7 +208,8 @@ def test_four_15_mib_documents_are_refused_fast_with_bounded_memory(stack, stub)
     for code, seconds, details in results:
         assert code == "INVALID_ARGUMENT", details
         assert details.startswith("document: document ") and "before" in details, details
-        assert seconds < 1.0
+        assert seconds < CLIENT_BOUND_S
+    assert scrape(metrics_url).get(refused_within_1s, 0.0) - fast_before == 4  # the scorer's own time
     assert growth < RSS_GROWTH_BOUND
     no_pins_left(stack)
 
