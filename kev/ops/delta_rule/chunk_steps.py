@@ -1,6 +1,7 @@
 """The indexed scan's per-chunk steps, inlined into its kernel (`indexed_scan`): the start state
-read from a bank slot, the corrected values V' = U - W S, the state carried to the next chunk, and
-the final state written to a slot. G is the chunk-local cumsum of the log2 decay.
+read from a bank slot, the corrected values V' = U - W S and what a chunk stores for the output
+kernel, the state carried to the next chunk, and the final state written to a slot. G is the
+chunk-local cumsum of the log2 decay.
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def corrected_values(b_hc, p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v, stride_w_t, s
     b_u = tl.load(p_u + o_t[:, None] * stride_u_t + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     # [BT, BK] @ [BK, BV] -> [BT, BV]
     return b_u.to(tl.float32) - tl.dot(b_w, b_hc)
+
+
+@triton.jit
+def chunk_outputs(b_h, h, v_new, p_w, p_u, p_vn, boh, i_t, i_h, o_t, m_t, o_k, m_k, o_v, m_v, m_kv,
+                  stride_w_t, stride_u_t, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """What chunk i_t hands `chunk_fwd_o`: its start state into h and its V' into v_new; returns V'."""
+    b_hc = b_h.to(h.dtype.element_ty)  # k's dtype (indexed_scan checks)
+    tl.store(h + ((boh + i_t) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_hc, mask=m_kv)
+    b_v = corrected_values(b_hc, p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v,
+                           stride_w_t, stride_u_t)
+    tl.store(p_vn + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
+    return b_v
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from kev.ops.delta_rule.chunk_steps import corrected_values, next_state, slot_state, write_slot_state
+from kev.ops.delta_rule.chunk_steps import chunk_outputs, next_state, slot_state, write_slot_state
 from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
 from kev.ops.gates import DeltaGates
 from kev.ops.pdl import launch_options, wait_for_previous
@@ -101,19 +101,23 @@ def indexed_scan_fwd_kernel(
     p_u = u + bos * stride_u_t + i_h * V
     p_vn = v_new + (bos * HV + i_h) * V
     p_g = g + bos * stride_g_t + i_h
-    for i_t in range(NT):  # no .to() on i_t: the interpreter's range yields Python ints
+    # A sequence that writes no slot (a row, a padding sequence) needs no state after its last chunk:
+    # for a one-chunk row that update was a third of the kernel's matmul work, all thrown away. The
+    # last chunk runs after the loop, not under a branch inside it: a branch in the loop body kept
+    # more values live (the 4-warp BV 64 configs spilled, bench/kernel_resources.py).
+    write_slot = tl.load(write_slots + i_n)
+    for i_t in range(tl.where(write_slot >= 0, NT, NT - 1)):  # the interpreter's range yields Python ints
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < L
-        p_h = h + ((boh + i_t) * HV + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
-
-        b_v = corrected_values(b_h.to(k.dtype.element_ty), p_w, p_u, o_t, m_t, o_k, m_k, o_v, m_v,
-                               stride_w_t, stride_u_t)
-        tl.store(p_vn + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+        b_v = chunk_outputs(b_h, h, v_new, p_w, p_u, p_vn, boh, i_t, i_h, o_t, m_t, o_k, m_k, o_v, m_v, m_kv,
+                            stride_w_t, stride_u_t, HV, K, V)
         b_g = tl.load(p_g + o_t * stride_g_t, mask=m_t, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + o_t[None, :] * stride_k_t + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_h = next_state(b_h, b_k, b_v, b_g, p_g, stride_g_t, i_t, L, m_t, BT)
+    if (write_slot < 0) & (NT > 0):
+        o_t = (NT - 1) * BT + tl.arange(0, BT)
+        chunk_outputs(b_h, h, v_new, p_w, p_u, p_vn, boh, NT - 1, i_h, o_t, o_t < L, o_k, m_k, o_v, m_v, m_kv,
+                      stride_w_t, stride_u_t, HV, K, V)
 
     write_slot_state(b_h, out_pool, write_slots, i_n, i_h, o_k, o_v, m_kv,
                      stride_o_s, stride_o_h, stride_o_k, stride_o_v)
