@@ -6,6 +6,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 
 import torch
@@ -77,6 +78,72 @@ def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
         a @ b
     ms = cuda_ms(lambda: a @ b, reps)
     return 2 * n**3 / (statistics.median(ms) * 1e-3) / 1e12
+
+
+def matmul_rates(sustain_s: float = 5.0, n: int = 8192) -> dict:
+    """The bf16 GEMM rate two ways.
+
+    `matmul_tflops` is `matmul_tflops()`: 20 GEMMs after 3 warm ones, ~30 ms, so the clock is at its
+    boost (too short for nvidia-smi's samples). A load run keeps the GPU busy for many seconds at its
+    power limit (700 W on the H200), where the clock may be lower: `matmul_tflops_sustained` is the
+    rate of back-to-back GEMMs over the last half of `sustain_s` seconds, with the SM clock and board
+    power over that half (`matmul_sustained_gpu`). The first is what `ceiling_fraction` divides by;
+    the second tells how much of a load's distance from it is the clock."""
+    burst = matmul_tflops(n)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    graph, _ = capture(lambda: [a @ b for _ in range(10)])
+    start = time.perf_counter()
+    while time.perf_counter() - start < sustain_s / 2:  # reach the power limit first
+        graph.replay()
+        torch.cuda.synchronize()
+    with GpuSampler() as sustained_clock:
+        replays = max(1, int(sustain_s / 2 / (cuda_ms(graph.replay, 1)[0] * 1e-3)))
+        ms = cuda_ms(lambda: [graph.replay() for _ in range(replays)], 1)[0]
+    return {"matmul_tflops": burst,
+            "matmul_tflops_sustained": 2 * n**3 * 10 * replays / (ms * 1e-3) / 1e12,
+            "matmul_sustained_gpu": sustained_clock.medians, "matmul_sustained_s": sustain_s}
+
+
+class GpuSampler:
+    """nvidia-smi sampling the SM clock (MHz) and board power (W) every 50 ms while in the block;
+    `medians` is {"sm_mhz": ..., "power_w": ...}, or None without nvidia-smi or samples."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"]
+
+    def __init__(self):
+        self.medians: dict | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "GpuSampler":
+        try:
+            self._proc = subprocess.Popen(self.QUERY, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi here
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        self.medians = smi_medians(out)
+
+
+def smi_medians(text: str) -> dict | None:
+    """Medians of nvidia-smi's "clocks.sm, power.draw" CSV lines (no header, no units); lines that
+    do not parse (a device listed as [N/A], a partial last line) are skipped."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            sm, power = (float(x) for x in line.split(","))
+        except ValueError:
+            continue
+        rows.append((sm, power))
+    if not rows:
+        return None
+    return {"sm_mhz": statistics.median(r[0] for r in rows), "power_w": statistics.median(r[1] for r in rows),
+            "samples": len(rows)}
 
 
 def cuda_ms(fn: Callable[[], object], reps: int) -> list[float]:

@@ -20,7 +20,10 @@ loop, so the offered load is the client count. Measured per run, after an option
 - `matmul_tflops`: the GPU's bf16 matmul rate, measured in a child process before the load (the
   client keeps no CUDA context; null without a GPU), and `ceiling_fraction` = tokens/s x 2 x
   non-embedding parameters (of the served checkpoint's config) / that rate: the share of the
-  matmul ceiling the served tokens reach (docs/design.md section 4)
+  matmul ceiling the served tokens reach (docs/design.md section 4). That rate is a ~30 ms burst;
+  `matmul_tflops_sustained` is the rate after seconds of back-to-back GEMMs at the power limit, as
+  a loaded GPU runs, and `ceiling_fraction_sustained` the same share against it; the SM clock and
+  power while it was measured are in `matmul_sustained_gpu` (bench.common.matmul_rates)
 - `eager_passes_after_warmup`: passes the bank and the scorers ran other than as a CUDA-graph
   replay since they started serving (`kev_scorer_graph_passes_total` / `kev_bank_graph_passes_total`,
   every `path` but `replay`; start-up captures are not counted), read at the end of the run; per
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import math
 import os
 import platform
@@ -86,12 +90,13 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
              max_requests: int | None = None, warmup_s: float = 0.0, timeout_s: float = 120.0,
              metrics_url: str | None = None, bank_metrics_url: str | None = None,
              service_metrics_urls: Mapping[str, str] | None = None, matmul_tflops: float | None = None,
-             non_embedding_params: int | None = None, label: str = "") -> dict:
+             non_embedding_params: int | None = None, label: str = "", matmul: Mapping | None = None) -> dict:
     """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
 
     `service_metrics_urls` (name -> Prometheus URL) are the services whose eager passes count
     (default: the scorer's and the bank's URLs given); `matmul_tflops` and `non_embedding_params`
-    make `ceiling_fraction` (null without either).
+    make `ceiling_fraction` (null without either). `matmul` (`measure_matmul`'s dict) adds the
+    sustained rate, `ceiling_fraction_sustained` against it, and the clock while it was measured.
 
     The window opens once `warmup_s` has passed AND every client has had a reply (the pipeline is
     full: a five-long x 64 run's first replies take 2.5 s, and a window opened before them measured
@@ -205,6 +210,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
                   duration_limit_s=duration_s, request_limit=max_requests,
                   matmul_tflops=matmul_tflops,
                   ceiling_fraction=ceiling_fraction(result["tokens_per_s"], non_embedding_params, matmul_tflops),
+                  **sustained_figures(matmul, result["tokens_per_s"], non_embedding_params),
                   eager_passes_after_warmup=eager, eager_passes_by_service=eager_by_service,
                   **scorer_figures(before, after, result["elapsed_s"]),
                   **bank_figures(bank_before, bank_after, result["elapsed_s"]))
@@ -290,6 +296,16 @@ def summarize(outcomes: list[Outcome], window_start: float, window_end: float | 
 # the matmul ceiling
 
 
+def sustained_figures(matmul: Mapping | None, tokens_per_s: float, non_embedding_params: int | None) -> dict:
+    """The sustained matmul rate, the ceiling fraction against it, and the SM clock and power while
+    it was measured (`measure_matmul`); all null without a measurement."""
+    matmul = matmul or {}
+    sustained = matmul.get("matmul_tflops_sustained")
+    return {"matmul_tflops_sustained": sustained,
+            "ceiling_fraction_sustained": ceiling_fraction(tokens_per_s, non_embedding_params, sustained),
+            "matmul_sustained_gpu": matmul.get("matmul_sustained_gpu")}
+
+
 def ceiling_fraction(tokens_per_s: float, non_embedding_params: int | None, tflops: float | None) -> float | None:
     """tokens/s x 2 x non-embedding parameters / the measured matmul rate (None without both)."""
     if non_embedding_params is None or not tflops:
@@ -304,20 +320,22 @@ def served_params(checkpoint: str | os.PathLike) -> int:
     return read_config(checkpoint).non_embedding_params()
 
 
-def measure_matmul_tflops() -> float | None:
-    """bench.common.matmul_tflops in a child process, so this client never holds a CUDA context
-    beside the services; None without a GPU, or (with a warning) when the measurement fails."""
+def measure_matmul() -> dict | None:
+    """bench.common.matmul_rates in a child process, so this client never holds a CUDA context
+    beside the services: {"matmul_tflops": the burst rate `ceiling_fraction` divides by,
+    "matmul_tflops_sustained": the rate at the power limit, with the SM clock and power then};
+    None without a GPU, or (with a warning) when the measurement fails."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    code = "from bench.common import matmul_tflops; print(matmul_tflops())"
+    code = "import json; from bench.common import matmul_rates; print(json.dumps(matmul_rates()))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     if run.returncode != 0:
-        print(f"matmul_tflops not measured (rc {run.returncode}): {run.stderr[-2000:]}", file=sys.stderr, flush=True)
+        print(f"matmul rate not measured (rc {run.returncode}): {run.stderr[-2000:]}", file=sys.stderr, flush=True)
         return None
-    return float(run.stdout.split()[-1])
+    return json.loads(run.stdout.splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,8 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
+    matmul = measure_matmul() if args.matmul_tflops == "auto" else None
     if args.matmul_tflops == "auto":
-        tflops = measure_matmul_tflops()
+        tflops = matmul and matmul["matmul_tflops"]
     else:
         tflops = None if args.matmul_tflops == "none" else float(args.matmul_tflops)
     model_id, tokenizer, builder = load_builder(args.checkpoint)
@@ -585,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_load(args.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
                      warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=args.metrics_url,
                      bank_metrics_url=args.bank_metrics_url, matmul_tflops=tflops,
-                     non_embedding_params=served_params(args.checkpoint))
+                     non_embedding_params=served_params(args.checkpoint), matmul=matmul)
             for n in (args.sweep or [args.clients])]
     out = {**environment(), "workload": args.workload, "scale": args.scale, "runs": runs}
     if args.out:

@@ -37,7 +37,8 @@ run cut short (a `timeout`) leaves what it measured: `missing` lists the systems
 and `complete` is false until none is. Fields: `commit`, `gpu`, `clients`, `requests_per_s`,
 `p50_ms`, `p90_ms`, `p99_ms`, `errors` (by gRPC status, with `error_messages`: the first message of
 each), bank hit ratio and rows per pass for the project, `tokens_per_s`, `matmul_tflops` (measured
-in a child process before the stack starts, null on CPU), `ceiling_fraction` and
+in a child process before the stack starts, null on CPU), `ceiling_fraction`, the sustained rate
+and `ceiling_fraction_sustained` with the clock while it was measured, and
 `eager_passes_after_warmup` (bench/load.py), the same fields in `gathered` and `baseline`, the
 sweep of every system, the ratio to the baseline, the identity check, `default_startup`,
 `startup` (seconds per service), package versions and the exact command; with `--sweep`, also
@@ -78,7 +79,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.load import (add_run_args, environment, json_safe, measure_matmul_tflops, parse_counts, run_load,
+from bench.load import (add_run_args, environment, json_safe, measure_matmul, parse_counts, run_load,
                         served_params)
 from bench.load_report import (format_breakdown, report, sample_answers, service_overrides, startup_breakdown,
                                write_quietly)
@@ -205,7 +206,7 @@ def stored_sample_answers(addr: str, sample: list[LoadRequest], timeout_s: float
 
 
 def measure(system: str, running: Running, checkpoint: Path, args, workloads: list[str], seed: int,
-            results: dict, save, matmul_tflops: float | None = None, kev_addr: str | None = None) -> None:
+            results: dict, save, matmul: dict | None = None, kev_addr: str | None = None) -> None:
     """Per workload: the sample answers, then the runs (sweep or one client count), each stored in
     `results[system][workload]` and saved (`save()`) as soon as it is done. `kev_addr`: the kev
     scorer beside a gathered one, which answers the sample again just before it (the reference)."""
@@ -233,8 +234,8 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
                                warmup_s=warmup, timeout_s=args.timeout_s,
                                metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
                                service_metrics_urls=running.service_metrics_urls,
-                               matmul_tflops=matmul_tflops, non_embedding_params=params,
-                               label=f"{system} {name} x{n}")
+                               matmul_tflops=matmul and matmul["matmul_tflops"], non_embedding_params=params,
+                               label=f"{system} {name} x{n}", matmul=matmul)
             run["peak_gpu_memory_gb"] = peak.gb
             entry["runs"].append(run)
             save()
@@ -413,8 +414,11 @@ def main(argv: list[str] | None = None) -> int:
 
     skipped = {} if on_gpu else {"gathered": "CPU run: the gathered ops are Triton kernels (GPU only)"}
     # Before any service holds the GPU, on the GPU they will share (the rate varies run to run)
-    tflops = measure_matmul_tflops() if on_gpu else None
-    print(f"== matmul: {tflops if tflops is None else f'{tflops:.0f}'} TFLOPS (bf16)", file=sys.stderr, flush=True)
+    matmul = measure_matmul() if on_gpu else None
+    tflops = matmul and matmul["matmul_tflops"]
+    print(f"== matmul: {tflops if tflops is None else f'{tflops:.0f}'} TFLOPS (bf16), sustained "
+          f"{(matmul or {}).get('matmul_tflops_sustained')} at {(matmul or {}).get('matmul_sustained_gpu')}",
+          file=sys.stderr, flush=True)
     systems = [s for s in systems if s not in skipped]
     results: dict[str, dict] = {}
     startup: dict = {}
@@ -426,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure_all(system: str, running: Running, seed: int, kev_addr: str | None = None) -> None:
         try:
-            measure(system, running, checkpoint, args, workloads, seed, results, save, tflops, kev_addr)
+            measure(system, running, checkpoint, args, workloads, seed, results, save, matmul, kev_addr)
         except BaseException:
             for proc, tail in running.logs().items():
                 print(f"--- {proc} log tail ---\n{tail}", file=sys.stderr)

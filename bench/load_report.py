@@ -18,7 +18,8 @@ from bench.load_workloads import LoadRequest
 from kev.v1 import scorer_pb2 as pb
 
 HEADLINE = ("clients", "requests_per_s", "p50_ms", "p90_ms", "p99_ms", "errors", "error_count", "error_messages",
-            "bank_hit_ratio", "tokens_per_s", "matmul_tflops", "ceiling_fraction", "eager_passes_after_warmup",
+            "bank_hit_ratio", "tokens_per_s", "matmul_tflops", "ceiling_fraction", "matmul_tflops_sustained",
+            "ceiling_fraction_sustained", "matmul_sustained_gpu", "eager_passes_after_warmup",
             "rows_per_pass", "row_tokens_per_pass", "scorer_bank_hit_ratio", "row_pass_ms", "row_worker_busy",
             "row_passes_by_path", "row_padding_share", "state_passes", "documents_per_state_pass", "state_pass_ms", "state_worker_busy",
             "state_padding_share", "new_document_acquire_ms", "request_phase_ms", "scorer_cpu_cores", "bank_cpu_cores",

@@ -141,14 +141,43 @@ def test_tokens_per_s_counts_rows_and_only_state_passed_documents(maker, cached,
     model_id, m = maker
     server, addr = usage_server(cached)
     try:
+        clocks = {"sm_mhz": 1755.0, "power_w": 699.0, "samples": 48}
         run = load.run_load(addr, RequestStream(m, model_id, WORKLOADS["six-short"], seed=2), 2, duration_s=None,
-                            max_requests=20, matmul_tflops=500.0, non_embedding_params=10**9)
+                            max_requests=20, matmul_tflops=500.0, non_embedding_params=10**9,
+                            matmul={"matmul_tflops": 500.0, "matmul_tflops_sustained": 400.0,
+                                    "matmul_sustained_gpu": clocks})
     finally:
         server.stop(0)
     assert run["ok"] == 20 and run["tokens_per_s"] == pytest.approx(per_request * run["requests_per_s"])
     assert run["matmul_tflops"] == 500.0
     assert run["ceiling_fraction"] == pytest.approx(run["tokens_per_s"] * 2e9 / 500e12)
+    # beside it, the rate at the power limit and the share against that (bench.common.matmul_rates)
+    assert run["matmul_tflops_sustained"] == 400.0
+    assert run["ceiling_fraction_sustained"] == pytest.approx(run["tokens_per_s"] * 2e9 / 400e12)
+    assert run["matmul_sustained_gpu"] == clocks
     assert run["eager_passes_after_warmup"] is None  # no metrics endpoints given
+
+
+def test_nvidia_smi_samples_give_medians():
+    from bench.common import smi_medians
+
+    text = "1980, 512.31\n1755, 699.80\n1830, 698.10\n[N/A], [N/A]\n17"  # an unreadable line, a cut one
+    assert smi_medians(text) == {"sm_mhz": 1830.0, "power_w": 698.1, "samples": 3}
+    assert smi_medians("") is None and smi_medians("[N/A], [N/A]") is None
+
+
+def test_a_run_without_a_matmul_measurement_has_null_sustained_figures():
+    assert load.sustained_figures(None, 1000.0, 10**9) == {
+        "matmul_tflops_sustained": None, "ceiling_fraction_sustained": None, "matmul_sustained_gpu": None}
+
+
+def test_the_gpu_sampler_gives_nothing_without_nvidia_smi(monkeypatch, tmp_path):
+    from bench.common import GpuSampler
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no nvidia-smi, as on this machine and CI
+    with GpuSampler() as sampler:
+        pass
+    assert sampler.medians is None
 
 
 class Stopped(Exception):
