@@ -84,7 +84,8 @@ def _times_inverse(p_x, p_out, stride_x, stride_out, F: tl.constexpr, BF: tl.con
                    o_0, o_1, o_2, o_3, m_0, m_1, m_2, m_3, s_0, s_1, s_2, s_3,
                    x00, x10, x11, x20, x21, x22, x30, x31, x32, x33):
     """out = X diag(s) x over a chunk's four row blocks, BF features at a time: X's ten blocks on
-    and below the diagonal times each row block of x scaled by its rows' s, in x's dtype."""
+    and below the diagonal times each row block of x scaled by its rows' s, rounded to X's dtype
+    (the activations') for the product."""
     for f0 in range(0, F, BF):
         o_f = f0 + tl.arange(0, BF)
         m_f = o_f < F
