@@ -102,7 +102,7 @@ def matmul_rates(sustain_s: float = 5.0, n: int = 8192) -> dict:
         ms = cuda_ms(lambda: [graph.replay() for _ in range(replays)], 1)[0]
     return {"matmul_tflops": burst,
             "matmul_tflops_sustained": 2 * n**3 * 10 * replays / (ms * 1e-3) / 1e12,
-            "matmul_sustained_gpu": sustained_clock.medians, "matmul_sustained_s": sustain_s}
+            "matmul_sustained_gpu": sustained_clock.medians}
 
 
 class GpuSampler:

@@ -593,11 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     add_run_args(p)
     args = p.parse_args(argv)
 
-    matmul = measure_matmul() if args.matmul_tflops == "auto" else None
     if args.matmul_tflops == "auto":
+        matmul = measure_matmul()
         tflops = matmul and matmul["matmul_tflops"]
     else:
-        tflops = None if args.matmul_tflops == "none" else float(args.matmul_tflops)
+        matmul, tflops = None, None if args.matmul_tflops == "none" else float(args.matmul_tflops)
     model_id, tokenizer, builder = load_builder(args.checkpoint)
     stream = RequestStream(TextMaker(tokenizer, builder), model_id, WORKLOADS[args.workload].scaled(args.scale),
                            args.seed)
