@@ -17,9 +17,6 @@ their inputs from L2), and is set against:
   timing (a contiguous copy where ours reads a column view): its time is a lower bound.
 `per_pass_ms` is a kernel's time times its launches in a pass (`count`: per layer or per DeltaNet
 layer). The GEMMs are not here: they run at 0.95 of the matmul floor (`state_pass.json`).
-A candidate kernel not yet served is timed beside the one it would replace (`replaces`) and left
-out of the pass's sums: our one-launch intra-chunk kernel (`chunk_wy`) in three configs, beside
-fla's pair.
 
     python -m bench.kernel_floors --out bench/results/kernel_floors.json            # GPU, 16 x 2,048
     python -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows --out ...        # a loaded row pass
@@ -52,7 +49,6 @@ class Case:
     # (ours' result, fla's) -> the two tensors that should hold the same values: a check that both
     # compute the same maths (the max difference is recorded, not asserted: roundings differ)
     same: Callable[[object, object], tuple[torch.Tensor, torch.Tensor]] | None = None
-    replaces: str | None = None  # a candidate for this case's kernel, not in the served pass (no per-pass sum)
 
 
 def tiny_config() -> ModelConfig:
@@ -71,7 +67,6 @@ def cases(cfg: ModelConfig, seqs: int, seq_tokens: int, device: str, rows: bool 
     from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
     from kev.ops.conv.indexed_conv import indexed_causal_conv
-    from kev.ops.delta_rule.chunk_wy import chunk_wy
     from kev.ops.delta_rule.indexed_scan import indexed_scan
     from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
     from kev.ops.fused.activations import silu_mul
@@ -167,12 +162,6 @@ def cases(cfg: ModelConfig, seqs: int, seq_tokens: int, device: str, rows: bool 
              None if rows else lambda ours, fla: (torch.cat(ours, dim=1), fla[0][0])),
         Case("delta_rule_prep", LD, 2 * qk_bytes + 2 * T * HV * BF16 + g_bytes + T * HV * BF16, prep),
         Case("delta_rule_intra (fla)", LD, qk_bytes // 2 + 3 * hv_bytes + g_bytes + T * HV * BF16, intra),
-        *(Case(f"delta_rule_wy (ours, {warps} warps, BK {block})", LD,
-               qk_bytes // 2 + 3 * hv_bytes + g_bytes + T * HV * BF16,
-               lambda warps=warps, block=block: chunk_wy(kn, v, g, beta, cu, chunks, num_warps=warps, block=block),
-               intra if first else None, lambda ours, fla: (torch.cat(ours, -1), torch.cat([fla[0][0], fla[1][0]], -1)),
-               replaces="delta_rule_intra (fla)")
-          for first, (warps, block) in zip((True, False, False), ((4, 64), (4, 32), (8, 64)))),
         Case("delta_rule_scan", LD, qk_bytes // 2 + 3 * hv_bytes + g_bytes + h_bytes + pool_bytes, scan,
              lambda: chunk_gated_delta_rule_fwd_h(k=kn[None], w=w, u=u, g=g[None], initial_state=start,
                                                   output_final_state=not rows, chunk_size=CHUNK, cu_seqlens=cu,
@@ -270,8 +259,7 @@ def main() -> None:
             ms, graphed = time_ms(case.ours, args.reps, args.device, flush)
             floor = case.bytes / (gbps * 1e9) * 1e3
             row = dict(kernel=case.name, count=case.count, ms=ms, graphed=graphed, floor_ms=floor,
-                       of_bandwidth=floor / ms, per_pass_ms=ms * case.count, bytes=case.bytes,
-                       **({"replaces": case.replaces} if case.replaces else {}))
+                       of_bandwidth=floor / ms, per_pass_ms=ms * case.count, bytes=case.bytes)
             if case.fla is not None:
                 try:
                     fla_ms, fla_graphed = time_ms(case.fla, args.reps, args.device, flush)
@@ -285,14 +273,13 @@ def main() -> None:
             print(f"{case.name:24s} {ms:8.3f} ms (x{case.count}: {ms * case.count:7.2f})  floor {floor:7.3f} "
                   f"({floor / ms:4.0%} of bandwidth)" + (f"  fla {row['fla_ms']:8.3f}" if "fla_ms" in row else
                                                          "  fla -" if case.fla is None else "  fla error"))
-    served = [r for r in results if "replaces" not in r]  # the pass as it runs, without the candidates
     result = {**run_info(), "model": args.config, "rows": args.rows, "seqs": args.seqs,
               "seq_tokens": args.seq_tokens, "tokens": args.seqs * args.seq_tokens, "reps": args.reps,
               "l2_flushed": flush is not None,
               "stream_gbps": gbps, "copy_gbps": bandwidth["copy"],
               "add_gbps": bandwidth["add"], "kernels": results,
-              "per_pass_ms": sum(r["per_pass_ms"] for r in served),
-              "per_pass_floor_ms": sum(r["floor_ms"] * r["count"] for r in served)}
+              "per_pass_ms": sum(r["per_pass_ms"] for r in results),
+              "per_pass_floor_ms": sum(r["floor_ms"] * r["count"] for r in results)}
     write_json(args.out, result)
 
 

@@ -53,7 +53,7 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     # interpreted as the environment says then)
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import chunk_wy, indexed_scan, prep
+    from kev.ops.delta_rule import indexed_scan, prep
     from kev.ops.fused import activations, norms
     from kev.ops.gates import DeltaGates
 
@@ -102,7 +102,6 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
-        "chunk_wy": (one, lambda c: chunk_wy.chunk_wy(k, u, g, torch.rand(T, HV, **bf), cu, chunks)),
         "paged_prefix_attention": (attn_configs, lambda c: attention(c, False)),
         "paged_prefix_split": (attn_configs, lambda c: attention(c, True)),  # the span and finish kernels
         "paged_store": (one, lambda c: paged_prefix.paged_store(  # a state pass's last attention layer

@@ -18,11 +18,11 @@ import pytest
 from bench.kernel_resources import HopperDriver as FakeHopper  # noqa: F401 - the tests' stand-in driver (sm_90)
 
 MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan",
-           "kev.ops.delta_rule.chunk_steps", "kev.ops.delta_rule.chunk_wy", "kev.ops.delta_rule.prep",
+           "kev.ops.delta_rule.chunk_steps", "kev.ops.delta_rule.prep",
            "kev.ops.attention.paged_prefix",
            "kev.ops.fused", "kev.ops.triton_ops", "kev.ops.gathered_ops")
 NAMES = dict(conv="kev.ops.conv.indexed_conv", scan="kev.ops.delta_rule.indexed_scan",
-             wy="kev.ops.delta_rule.chunk_wy", prep="kev.ops.delta_rule.prep",
+             prep="kev.ops.delta_rule.prep",
              attn="kev.ops.attention.paged_prefix", norms="kev.ops.fused.norms",
              activations="kev.ops.fused.activations", triton_ops="kev.ops.triton_ops",
              gathered_ops="kev.ops.gathered_ops")

@@ -25,24 +25,18 @@ def floors(request, tmp_path_factory):
 
 def test_every_kernel_is_timed_against_its_floor(floors):
     rows = {r["kernel"]: r for r in floors["kernels"]}
-    candidates = ["delta_rule_wy (ours, 4 warps, BK 64)", "delta_rule_wy (ours, 4 warps, BK 32)",
-                  "delta_rule_wy (ours, 8 warps, BK 64)"]
     assert list(rows) == ["add_rms_norm", "silu_mul", "conv", "delta_rule_prep", "delta_rule_intra (fla)",
-                          *candidates, "delta_rule_scan", "delta_rule_o (fla)", "gated_rms_norm"]
+                          "delta_rule_scan", "delta_rule_o (fla)", "gated_rms_norm"]
     # tiny: 4 layers, one in four attention (3 DeltaNet), 128 tokens, width 256, MLP 512
     assert {k: r["count"] for k, r in rows.items()} == {
         "add_rms_norm": 8, "silu_mul": 4, "conv": 3, "delta_rule_prep": 3, "delta_rule_intra (fla)": 3,
-        **{c: 3 for c in candidates}, "delta_rule_scan": 3, "delta_rule_o (fla)": 3, "gated_rms_norm": 3}
-    # the candidates for fla's intra-chunk pair are timed beside it, outside the pass's sums
-    assert all(rows[c]["replaces"] == "delta_rule_intra (fla)" for c in candidates)
-    assert rows[candidates[0]]["bytes"] == rows["delta_rule_intra (fla)"]["bytes"]
-    served = [r for r in rows.values() if "replaces" not in r]
+        "delta_rule_scan": 3, "delta_rule_o (fla)": 3, "gated_rms_norm": 3}
     T = floors["tokens"]
     assert T == 128 and rows["silu_mul"]["bytes"] == 3 * T * 512 * 2 and rows["add_rms_norm"]["bytes"] == 4 * T * 256 * 2
     for r in rows.values():
         assert r["ms"] > 0 and r["floor_ms"] == pytest.approx(r["bytes"] / (floors["stream_gbps"] * 1e9) * 1e3)
         assert r["per_pass_ms"] == pytest.approx(r["ms"] * r["count"])
-    assert floors["per_pass_ms"] == pytest.approx(sum(r["per_pass_ms"] for r in served))
+    assert floors["per_pass_ms"] == pytest.approx(sum(r["per_pass_ms"] for r in rows.values()))
     assert floors["stream_gbps"] == max(floors["copy_gbps"], floors["add_gbps"]) > 0
     assert floors["l2_flushed"] is False  # CPU: no L2 to flush (on CUDA each timed call follows one)
 
@@ -55,10 +49,6 @@ def test_fla_kernels_compute_what_ours_compute(floors):
         # rows: fla's conv starts from zeros, ours from the stored states (timed, not compared)
         if not (floors["rows"] and name == "conv"):
             assert rows[name]["max_abs_vs_fla"] <= 0.125, rows[name]
-    # the intra-chunk candidates: timed beside fla's pair, their difference recorded (the interpreter's
-    # bf16 dots give both garbage here; test_chunk_wy_matches_fp64_and_fla checks the maths in fp32)
-    assert rows["delta_rule_wy (ours, 4 warps, BK 64)"]["fla_ms"] > 0
-    assert "max_abs_vs_fla" in rows["delta_rule_wy (ours, 4 warps, BK 64)"]
     # fla's state kernel calls .to() on a Python loop counter, which only the interpreter refuses:
     # the bench records the error and goes on (on the GPU it runs)
     assert "fla_ms" in rows["delta_rule_scan"] or "fla_error" in rows["delta_rule_scan"]

@@ -236,54 +236,6 @@ def test_kernels_match_references(ratio):
         assert torch.equal(gated, sigmoid_mul(a, gate)), f"gated attention (split={split})"
 
 
-@pytest.mark.parametrize("ratio", RATIOS, ids=lambda r: f"hv_per_h={r}")
-def test_own_intra_chunk_kernel_matches_fla_and_the_reference(ratio):
-    """`chunk_wy` (one launch) at the real head dims in bf16: W and U as close to fla's pair's as
-    two roundings allow, the whole delta rule run with it as close to the torch reference as with
-    fla's, and the other configs kernel_floors times as close (whether to the bit is printed: the
-    forward substitution's row sums follow the warp layout)."""
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils.index import prepare_chunk_indices
-
-    from kev.ops.delta_rule.chunk_wy import chunk_wy
-    from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
-    from kev.ops.delta_rule.prep import delta_rule_inputs
-    from kev.ops.meta import PassMeta
-
-    x = kernel_inputs(seed=3, ratio=ratio)
-    H, HV, K, V, cu = x["H"], x["HV"], x["K"], x["V"], x["cu"]
-    hk = H * K
-    qkv = x["qkv"]
-    q, k = qkv[:, :hk].unflatten(1, (H, K)), qkv[:, hk:2 * hk].unflatten(1, (H, K))
-    v = qkv[:, 2 * hk:].unflatten(1, (HV, V)).contiguous()
-    gates = DeltaGates.given(x["g"], x["beta"])
-    chunks = prepare_chunk_indices(cu, 64)
-    _, kn, g, beta = delta_rule_inputs(q, k, gates, cu, chunks)
-    w, u = chunk_wy(kn, v, g, beta, cu, chunks)
-    fw, fu, _ = chunk_gated_delta_rule_fwd_intra(k=kn[None], v=v[None], g=g[None], beta=beta[None], cu_seqlens=cu,
-                                                 chunk_size=64, chunk_indices=chunks)
-    print("chunk_wy vs fla rel err:", rel_err(fw[0], w), rel_err(fu[0], u))
-    assert rel_err(fw[0], w) <= 1e-2 and rel_err(fu[0], u) <= 1e-2
-    for warps, block in ((4, 32), (8, 64)):
-        w2, u2 = chunk_wy(kn, v, g, beta, cu, chunks, num_warps=warps, block=block)
-        print(f"chunk_wy {warps} warps, BK {block}: bit-identical to the default: "
-              f"{torch.equal(w, w2) and torch.equal(u, u2)}")
-        assert rel_err(w, w2) <= 1e-2 and rel_err(u, u2) <= 1e-2, (warps, block)
-
-    meta = PassMeta(cu_seqlens=cu, read_slots=x["read"], write_slots=x["write"], prefix_lens=x["prefix"],
-                    block_table=x["table"])
-    ref_pool = x["state_pool"].clone()
-    o_ref = TorchOps().gated_delta_rule(q, k, v, gates, meta, ref_pool)
-    errors = {}
-    for wy in ("fla", "kev"):
-        pool = x["state_pool"].clone()
-        o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=pool,
-                                           read_slots=x["read"], write_slots=x["write"], wy=wy)
-        errors[wy] = (rel_err(o_ref, o), rel_err(ref_pool, pool))
-    print("delta rule rel err (output, states) by intra-chunk kernel:", errors)
-    assert max(errors["kev"]) <= 2e-2 and max(errors["kev"]) <= 2 * max(errors["fla"]) + 1e-3
-
-
 def test_attention_reads_no_keys_past_a_keys_no_op_entries():
     """A CUDA-graph key's static chunk list runs on past its padding sequence (last in the pass)
     with no-op entries (`kev.exec.static_pass.packed_chunk_lists`), so that sequence gets query blocks

@@ -32,7 +32,6 @@ from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.delta_rule.chunk_steps import chunk_outputs, next_state, slot_state, write_slot_state
-from kev.ops.delta_rule.chunk_wy import chunk_wy
 from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
 from kev.ops.gates import DeltaGates
 from kev.ops.pdl import launch_options, wait_for_previous
@@ -229,7 +228,6 @@ def indexed_chunk_gated_delta_rule(
     scan_config: triton.Config | None = None,
     phases: Sequence[int] = (),
     start_states: StartStates | None = None,
-    wy: str = "fla",
 ) -> torch.Tensor:
     """Varlen chunked gated delta rule whose sequences start from (and end in) bank slots by index.
 
@@ -252,8 +250,6 @@ def indexed_chunk_gated_delta_rule(
     start_states:  (n0, n1) -> (pool, read slots) that sequences [n0, n1) start from, called right
                    before their state pass (the gathered variant copies the states there); default
                    state_pool and read_slots[n0:n1]
-    wy:            which kernels form each chunk's W and U: "fla" (its KK^T + solve, then its WY
-                   recompute) or "kev" (`chunk_wy`, one launch; not served until timed on a GPU)
     Returns o: [T, HV, V] in v's dtype.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
@@ -279,14 +275,9 @@ def indexed_chunk_gated_delta_rule(
     # fla's WY recompute reads [T, HV, V] contiguous: the model's v already is (the conv writes it
     # as a block of its own, kev/ops/conv/indexed_conv.py); any other caller's v is copied here.
     v = v.contiguous()
-    if wy == "kev":
-        w, u = chunk_wy(k, v, g_cum[0], beta, cu_seqlens, chunk_indices)
-    elif wy == "fla":
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
-                                                   cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
-        w, u = w[0], u[0]
-    else:
-        raise ValueError(f"wy must be 'fla' or 'kev', not {wy!r}")
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
+                                               cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
+    w, u = w[0], u[0]
     N = read_slots.shape[0]
     counts = tuple(phases) or (N,)
     if sum(counts) != N or min(counts) < 0:
