@@ -37,8 +37,9 @@ run cut short (a `timeout`) leaves what it measured: `missing` lists the systems
 and `complete` is false until none is. Fields: `commit`, `gpu`, `clients`, `requests_per_s`,
 `p50_ms`, `p90_ms`, `p99_ms`, `errors` (by gRPC status, with `error_messages`: the first message of
 each), bank hit ratio and rows per pass for the project, `tokens_per_s`, `matmul_tflops` (measured
-in a child process before the stack starts, null on CPU), `ceiling_fraction`, the sustained rate
-and `ceiling_fraction_sustained` with the clock while it was measured, and
+in a child process before the stack starts, null on CPU; a file cut during start-up keeps it),
+`ceiling_fraction`, the sustained rate and `ceiling_fraction_sustained` with the clock while it was
+measured, and
 `eager_passes_after_warmup` (bench/load.py), the same fields in `gathered` and `baseline`, the
 sweep of every system, the ratio to the baseline, the identity check, `default_startup`,
 `startup` (seconds per service), package versions and the exact command; with `--sweep`, also
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         for name in workloads:
             write_quietly(Path(args.out_dir) / f"{result_stem(args.model, name)}.json",
-                          report(name, results, systems, skipped, args, env, checkpoint, startup))
+                          report(name, results, systems, skipped, args, env, checkpoint, startup, matmul))
 
     def measure_all(system: str, running: Running, seed: int, kev_addr: str | None = None) -> None:
         try:
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = False
     for name in workloads:
-        out = report(name, results, systems, skipped, args, env, checkpoint, startup)
+        out = report(name, results, systems, skipped, args, env, checkpoint, startup, matmul)
         from bench.common import write_json
 
         write_json(str(Path(args.out_dir) / f"{result_stem(args.model, name)}.json"), json_safe(out))

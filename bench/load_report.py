@@ -91,9 +91,14 @@ def model_label(args) -> str:
     return f"Kev-{size} shapes, random bf16 weights"
 
 
+MATMUL_FIELDS = ("matmul_tflops", "matmul_tflops_sustained", "matmul_sustained_gpu")
+
+
 def report(name: str, results: dict, systems: list[str], skipped: dict, args, env: dict, checkpoint: Path,
-           startup: dict) -> dict:
-    """One workload's results file from what has been measured so far."""
+           startup: dict, matmul: dict | None = None) -> dict:
+    """One workload's results file from what has been measured so far. `matmul` (the call's
+    `measure_matmul`, before the stack started) fills the headline's matmul fields that no run has
+    filled yet: a call cut during start-up still keeps the rates it measured."""
     done = {s: results[s][name] for s in systems if results.get(s, {}).get(name, {}).get("done")}
     partial = {s: results[s][name] for s in systems if s not in done and results.get(s, {}).get(name, {}).get("runs")}
     have = {**partial, **done}
@@ -107,6 +112,9 @@ def report(name: str, results: dict, systems: list[str], skipped: dict, args, en
         out["service_overrides"] = overrides
     kev = have.get("kev")
     out.update(headline(kev["runs"] if kev else [], args.clients))
+    for field in MATMUL_FIELDS:
+        if out.get(field) is None and matmul:
+            out[field] = matmul.get(field)
     out["sweep"] = kev["runs"] if kev else []
     for system in ("gathered", "baseline"):
         if system in have:

@@ -385,6 +385,29 @@ def test_speedup_compares_runs_at_the_same_client_count():
     assert out["speedup_vs_baseline"] == pytest.approx(10.0) and out["speedup_by_clients"]["64"] == pytest.approx(10.0)
 
 
+def test_a_file_cut_during_start_up_keeps_the_calls_matmul_rates():
+    """The matmul rates are measured before the stack starts: a call cut during start-up (no run
+    yet) still writes them; once kev has run, its run's own fields stand."""
+    from bench.load_report import report
+
+    args = SimpleNamespace(device="cuda", scale=1.0, clients=64)
+    env = {k: "x" for k in ("commit", "gpu", "packages", "python", "host", "command", "triton_compile_cache",
+                            "gpu_sharing")}
+    matmul = {"matmul_tflops": 794.0, "matmul_tflops_sustained": 682.5,
+              "matmul_sustained_gpu": {"sm_mhz": 1365.0, "power_w": 698.0, "samples": 53}}
+    out = report("six-short", {}, ["kev"], {}, args, env, Path("ckpt"), {}, matmul)
+    assert not out["complete"] and out["requests_per_s"] is None and out["sweep"] == []
+    assert {k: out[k] for k in matmul} == matmul
+    assert out["ceiling_fraction"] is None  # nothing served: no fraction
+    assert report("six-short", {}, ["kev"], {}, args, env, Path("ckpt"), {})["matmul_tflops"] is None
+    run = {"clients": 64, "requests_per_s": 250.0, "matmul_tflops": 790.0, "matmul_tflops_sustained": 680.0,
+           "matmul_sustained_gpu": {"sm_mhz": 1350.0}}
+    results = {"kev": {"six-short": {"sample": [], "runs": [run], "done": True}}}
+    out = report("six-short", results, ["kev"], {}, args, env, Path("ckpt"), {}, matmul)
+    assert (out["matmul_tflops"], out["matmul_tflops_sustained"], out["matmul_sustained_gpu"]) == \
+        (790.0, 680.0, {"sm_mhz": 1350.0})
+
+
 def test_two_calls_merge_into_one_results_file(tmp_path):
     """bench/load_merge.py: kev and the baseline from the first file, the gathered scorer and its
     identity check from the second (the gathered scorer runs only on a GPU: synthetic files)."""
