@@ -39,8 +39,7 @@ and `complete` is false until none is. Fields: `commit`, `gpu`, `clients`, `requ
 each), bank hit ratio and rows per pass for the project, `tokens_per_s`, `matmul_tflops` (measured
 in a child process before the stack starts, null on CPU; a file cut during start-up keeps it),
 `ceiling_fraction`, the sustained rate and `ceiling_fraction_sustained` with the clock while it was
-measured, and
-`eager_passes_after_warmup` (bench/load.py), the same fields in `gathered` and `baseline`, the
+measured, and `eager_passes_after_warmup` (bench/load.py), the same fields in `gathered` and `baseline`, the
 sweep of every system, the ratio to the baseline, the identity check, `default_startup`,
 `startup` (seconds per service), package versions and the exact command; with `--sweep`, also
 `<png-dir>/load_<workload>.png` (requests/s and p99 against clients). The JSON keeps its plain name
