@@ -89,14 +89,14 @@ class Outcome:
 def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: float | None = 20.0,
              max_requests: int | None = None, warmup_s: float = 0.0, timeout_s: float = 120.0,
              metrics_url: str | None = None, bank_metrics_url: str | None = None,
-             service_metrics_urls: Mapping[str, str] | None = None, matmul_tflops: float | None = None,
-             non_embedding_params: int | None = None, label: str = "", matmul: Mapping | None = None) -> dict:
+             service_metrics_urls: Mapping[str, str] | None = None, matmul: Mapping | None = None,
+             non_embedding_params: int | None = None, label: str = "") -> dict:
     """Runs `clients` closed-loop clients; returns the run's figures (see the module docstring).
 
     `service_metrics_urls` (name -> Prometheus URL) are the services whose eager passes count
-    (default: the scorer's and the bank's URLs given); `matmul_tflops` and `non_embedding_params`
-    make `ceiling_fraction` (null without either). `matmul` (`measure_matmul`'s dict) adds the
-    sustained rate, `ceiling_fraction_sustained` against it, and the clock while it was measured.
+    (default: the scorer's and the bank's URLs given). `matmul` (`measure_matmul`'s dict, or one with
+    only `matmul_tflops`) and `non_embedding_params` make `ceiling_fraction` (null without either);
+    a sustained rate in `matmul` adds `ceiling_fraction_sustained` and the clock while it was measured.
 
     The window opens once `warmup_s` has passed AND every client has had a reply (the pipeline is
     full: a five-long x 64 run's first replies take 2.5 s, and a window opened before them measured
@@ -208,9 +208,7 @@ def run_load(addr: str, stream: RequestStream, clients: int, *, duration_s: floa
     result.update(workload=stream.workload.name, clients=clients, warmup_s=warmup_s,
                   window_opened_after_s=round(window.start - begin, 3),
                   duration_limit_s=duration_s, request_limit=max_requests,
-                  matmul_tflops=matmul_tflops,
-                  ceiling_fraction=ceiling_fraction(result["tokens_per_s"], non_embedding_params, matmul_tflops),
-                  **sustained_figures(matmul, result["tokens_per_s"], non_embedding_params),
+                  **matmul_figures(matmul, result["tokens_per_s"], non_embedding_params),
                   eager_passes_after_warmup=eager, eager_passes_by_service=eager_by_service,
                   **scorer_figures(before, after, result["elapsed_s"]),
                   **bank_figures(bank_before, bank_after, result["elapsed_s"]))
@@ -296,12 +294,14 @@ def summarize(outcomes: list[Outcome], window_start: float, window_end: float | 
 # the matmul ceiling
 
 
-def sustained_figures(matmul: Mapping | None, tokens_per_s: float, non_embedding_params: int | None) -> dict:
-    """The sustained matmul rate, the ceiling fraction against it, and the SM clock and power while
-    it was measured (`measure_matmul`); all null without a measurement."""
+def matmul_figures(matmul: Mapping | None, tokens_per_s: float, non_embedding_params: int | None) -> dict:
+    """The burst and sustained matmul rates, the ceiling fraction against each, and the SM clock and
+    power while the sustained one was measured (`measure_matmul`); null where not measured."""
     matmul = matmul or {}
-    sustained = matmul.get("matmul_tflops_sustained")
-    return {"matmul_tflops_sustained": sustained,
+    burst, sustained = matmul.get("matmul_tflops"), matmul.get("matmul_tflops_sustained")
+    return {"matmul_tflops": burst,
+            "ceiling_fraction": ceiling_fraction(tokens_per_s, non_embedding_params, burst),
+            "matmul_tflops_sustained": sustained,
             "ceiling_fraction_sustained": ceiling_fraction(tokens_per_s, non_embedding_params, sustained),
             "matmul_sustained_gpu": matmul.get("matmul_sustained_gpu")}
 
@@ -595,16 +595,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.matmul_tflops == "auto":
         matmul = measure_matmul()
-        tflops = matmul and matmul["matmul_tflops"]
     else:
-        matmul, tflops = None, None if args.matmul_tflops == "none" else float(args.matmul_tflops)
+        matmul = None if args.matmul_tflops == "none" else {"matmul_tflops": float(args.matmul_tflops)}
     model_id, tokenizer, builder = load_builder(args.checkpoint)
     stream = RequestStream(TextMaker(tokenizer, builder), model_id, WORKLOADS[args.workload].scaled(args.scale),
                            args.seed)
     runs = [run_load(args.addr, stream, n, duration_s=args.duration, max_requests=args.requests,
                      warmup_s=args.warmup_s, timeout_s=args.timeout_s, metrics_url=args.metrics_url,
-                     bank_metrics_url=args.bank_metrics_url, matmul_tflops=tflops,
-                     non_embedding_params=served_params(args.checkpoint), matmul=matmul)
+                     bank_metrics_url=args.bank_metrics_url, matmul=matmul,
+                     non_embedding_params=served_params(args.checkpoint))
             for n in (args.sweep or [args.clients])]
     out = {**environment(), "workload": args.workload, "scale": args.scale, "runs": runs}
     if args.out:

@@ -234,8 +234,7 @@ def measure(system: str, running: Running, checkpoint: Path, args, workloads: li
                                warmup_s=warmup, timeout_s=args.timeout_s,
                                metrics_url=running.metrics_url, bank_metrics_url=running.bank_metrics_url,
                                service_metrics_urls=running.service_metrics_urls,
-                               matmul_tflops=matmul and matmul["matmul_tflops"], non_embedding_params=params,
-                               label=f"{system} {name} x{n}", matmul=matmul)
+                               matmul=matmul, non_embedding_params=params, label=f"{system} {name} x{n}")
             run["peak_gpu_memory_gb"] = peak.gb
             entry["runs"].append(run)
             save()

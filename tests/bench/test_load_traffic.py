@@ -143,7 +143,7 @@ def test_tokens_per_s_counts_rows_and_only_state_passed_documents(maker, cached,
     try:
         clocks = {"sm_mhz": 1755.0, "power_w": 699.0, "samples": 48}
         run = load.run_load(addr, RequestStream(m, model_id, WORKLOADS["six-short"], seed=2), 2, duration_s=None,
-                            max_requests=20, matmul_tflops=500.0, non_embedding_params=10**9,
+                            max_requests=20, non_embedding_params=10**9,
                             matmul={"matmul_tflops": 500.0, "matmul_tflops_sustained": 400.0,
                                     "matmul_sustained_gpu": clocks})
     finally:
@@ -167,8 +167,13 @@ def test_nvidia_smi_samples_give_medians():
 
 
 def test_a_run_without_a_matmul_measurement_has_null_sustained_figures():
-    assert load.sustained_figures(None, 1000.0, 10**9) == {
+    assert load.matmul_figures(None, 1000.0, 10**9) == {
+        "matmul_tflops": None, "ceiling_fraction": None,
         "matmul_tflops_sustained": None, "ceiling_fraction_sustained": None, "matmul_sustained_gpu": None}
+    # a rate given on the command line (`--matmul-tflops 500`): the burst figures only
+    given = load.matmul_figures({"matmul_tflops": 500.0}, 1000.0, 10**9)
+    assert given["ceiling_fraction"] == pytest.approx(1000.0 * 2e9 / 500e12)
+    assert given["matmul_tflops_sustained"] is None and given["ceiling_fraction_sustained"] is None
 
 
 def test_the_gpu_sampler_gives_nothing_without_nvidia_smi(monkeypatch, tmp_path):

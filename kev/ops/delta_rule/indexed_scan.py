@@ -277,7 +277,6 @@ def indexed_chunk_gated_delta_rule(
     v = v.contiguous()
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
                                                cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
-    w, u = w[0], u[0]
     N = read_slots.shape[0]
     counts = tuple(phases) or (N,)
     if sum(counts) != N or min(counts) < 0:
@@ -290,7 +289,7 @@ def indexed_chunk_gated_delta_rule(
     for n in counts:  # each group's state pass sees the slots the groups before it wrote
         n1 = n0 + n
         pool, read = start_states(n0, n1) if start_states is not None else (state_pool, read_slots[n0:n1])
-        indexed_scan(k, w, u, g_cum[0], cu_seqlens[n0:n1 + 1], chunk_offsets[n0:n1 + 1], h.shape[0], pool,
+        indexed_scan(k, w[0], u[0], g_cum[0], cu_seqlens[n0:n1 + 1], chunk_offsets[n0:n1 + 1], h.shape[0], pool,
                      read, write_slots[n0:n1], out_pool=out_pool,
                      config=scan_config, h=h, v_new=v_new)
         n0 = n1
