@@ -61,7 +61,7 @@ step() {  # step NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log,
 for what in "${@:-tests perf}"; do
     for s in $what; do
         case $s in
-            tests) step gpu_tests 540 python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" "${GPU_TESTS_B[@]}" ;;
+            tests) step gpu_tests "${KEV_LIMIT_TESTS:-540}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" "${GPU_TESTS_B[@]}" ;;
             tests-a) step gpu_tests_a "${KEV_LIMIT_A:-420}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_A[@]}" ;;
             tests-b) step gpu_tests_b "${KEV_LIMIT_B:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_B[@]}" ;;
             tests-c) step gpu_tests_c "${KEV_LIMIT_C:-300}" python3 -m pytest "${PYTEST_GPU[@]}" "${GPU_TESTS_C[@]}" ;;
@@ -114,7 +114,9 @@ for what in "${@:-tests perf}"; do
                     --out "$OUT/load_shapes/kernel_floors_six-short.json"
                 step kernel_floors_six-short_rows 120 python3 -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows \
                     --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors)"
+            gate-up-ab)  # the gate/up GEMM with silu_mul fused in against cuBLAS + silu_mul (~60 s cold)
+                step gate_up_ab "${KEV_LIMIT_GATE_UP:-150}" python3 -m bench.gate_up_ab --out "$OUT/gate_up_ab.json" ;;
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, gate-up-ab)"
                exit 2 ;;
         esac
     done

@@ -154,6 +154,44 @@ def test_empty_and_bad_shapes(interp):
         act.silu_mul(torch.zeros(5, 8), torch.zeros(5, 7))
 
 
+# ---- the gate/up GEMM with silu_mul in its store (kev/ops/fused/gate_up.py) ----
+
+GATE_UP_SMALL = dict(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=1)  # interpreter-sized tiles
+
+
+@pytest.mark.parametrize("T", (1, 37, 70), ids=lambda t: f"T={t}")
+def test_gate_up_silu_matches_reference(interp, poisoned, T):
+    """Against F.linear then silu_mul (what it replaces) and a float64 silu(x Wg) * (x Wu), on T, K and
+    F that leave partial tiles in every dimension; 4 persistent programs over more tiles than that,
+    in groups that end short. fp32 only: the interpreter's bf16 dots are not the GPU's (the GPU
+    suite checks bf16 at Kev-4B's shapes: tests/ops/test_kernels_gpu.py)."""
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(200 + T)
+    K, F = 40, 56
+    x = torch.randn(T, K, generator=g).to(dtype)
+    w = (torch.randn(2 * F, K, generator=g) * 0.3).to(dtype)
+    y = interp.gate_up.gate_up_silu(x, w, interp.gate_up.GateUpConfig(**GATE_UP_SMALL), programs=4)
+    gate, up = torch.nn.functional.linear(x, w).split(F, dim=-1)
+    check("gate_up_silu vs linear + silu_mul", reference.silu_mul(gate, up), y, dtype)
+    g64, u64 = (x.double() @ w.double().T).split(F, dim=-1)
+    check("gate_up_silu vs float64", torch.nn.functional.silu(g64) * u64, y.double(), torch.float32)
+    again = interp.gate_up.gate_up_silu(x, w, interp.gate_up.GateUpConfig(**GATE_UP_SMALL), programs=3)
+    assert torch.equal(y, again), "the grid's size changed the bits"
+
+
+def test_gate_up_silu_bad_inputs(interp):
+    gu = interp.gate_up
+    assert gu.gate_up_silu(torch.zeros(0, 8), torch.zeros(16, 8)).shape == (0, 8)
+    with pytest.raises(ValueError, match=r"\[2F, K\]"):
+        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(15, 8))  # odd rows: no gate/up halves
+    with pytest.raises(ValueError, match=r"\[2F, K\]"):
+        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(16, 9))
+    with pytest.raises(ValueError, match="dtype"):
+        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(8, 16).t())
+
+
 # ---- fused projections ----
 
 def tiny_model(seed=4, dtype=torch.float32):

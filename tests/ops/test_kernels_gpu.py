@@ -354,6 +354,36 @@ def test_fused_kernels_match_reference_at_kev_dims():
             assert err <= 1e-2 and same >= 0.5, key
 
 
+@pytest.mark.parametrize("T", (1, 300, 2368))
+def test_gate_up_silu_at_kev_dims(T):
+    """The gate/up GEMM with silu_mul in its store (kev/ops/fused/gate_up.py), Kev-4B's MLP in bf16:
+    against float64 silu(x Wg) * (x Wu) as closely as cuBLAS then silu_mul is; mostly the very bits
+    of that unfused path (the two GEMMs sum in other orders); a replay, another grid's size and other
+    tiles of the same BK give the same bits."""
+    from kev.ops.fused import activations
+    from kev.ops.fused.gate_up import GateUpConfig, gate_up_silu
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    d, F = 2560, 9216
+    x = torch.randn(T, d, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2 * F, d, device="cuda", generator=g) * 0.02).bfloat16()
+    y = gate_up_silu(x, w)
+    gu = torch.nn.functional.linear(x, w)
+    unfused = activations.silu_mul(gu[:, :F], gu[:, F:])
+    g64, u64 = (x.double() @ w.double().T).split(F, dim=-1)
+    exact = torch.nn.functional.silu(g64) * u64
+    assert torch.isfinite(y.float()).all()
+    err, err_unfused = rel_err(exact, y), rel_err(exact, unfused)
+    same = (y == unfused).float().mean().item()
+    print(f"T={T}: fused rel err {err:.3g}, unfused {err_unfused:.3g}, identical to unfused {same:.3f}")
+    assert err <= 1.2 * err_unfused + 1e-4 and err <= 1e-2
+    assert same >= 0.5
+    assert torch.equal(y, gate_up_silu(x, w))
+    assert torch.equal(y, gate_up_silu(x, w, programs=7))
+    for c in (GateUpConfig(BM=64, BN=128, num_warps=4, num_stages=4), GateUpConfig(BN=64, num_warps=4, num_stages=4)):
+        assert torch.equal(y, gate_up_silu(x, w, c)), f"{c} changed the bits (same BK: the same sums)"
+
+
 def test_fused_projections_match_unfused(setup):
     """The same weights with one GEMM per projection: close (cuBLAS may pick other kernels per shape)."""
     model, cfg, pools, table, doc_lens = (setup[k] for k in ("model", "cfg", "banks", "table", "doc_lens"))
