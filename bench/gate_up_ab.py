@@ -24,18 +24,7 @@ import torch.nn.functional as F
 from bench.common import kev4b_config, run_info, write_json
 from kev.ops.autotune import graph_bench
 from kev.ops.fused.activations import silu_mul
-from kev.ops.fused.gate_up import GateUpConfig, gate_up_silu
-
-CONFIGS = [
-    GateUpConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-    GateUpConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
-    GateUpConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, warp_specialize=True),
-    GateUpConfig(BM=128, BN=64, BK=64, num_warps=4, num_stages=4),
-    GateUpConfig(BM=128, BN=64, BK=64, num_warps=8, num_stages=5),
-    GateUpConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-    GateUpConfig(BM=256, BN=64, BK=64, num_warps=8, num_stages=3),
-]
-
+from kev.ops.fused.gate_up import GATE_UP_CONFIGS, gate_up_silu
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -60,7 +49,7 @@ def main() -> None:
                 "configs": []}
         case["cublas_tflops"] = flops / case["cublas_us"] / 1e6
         del gu
-        for c in CONFIGS:
+        for c in GATE_UP_CONFIGS:
             row = {"config": dataclasses.asdict(c)}
             try:
                 out = gate_up_silu(x, w, c)

@@ -55,6 +55,7 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     from kev.ops.conv import indexed_conv
     from kev.ops.delta_rule import indexed_scan, prep
     from kev.ops.fused import activations, norms
+    from kev.ops.fused.gate_up import GATE_UP_CONFIGS, gate_up_silu
     from kev.ops.gates import DeltaGates
 
     T, C = N * L, 2 * H * K + HV * V
@@ -93,6 +94,8 @@ def launchers() -> dict[str, tuple[list, Callable]]:
         "gated_rms_norm": (one, lambda c: norms.gated_rms_norm(u, torch.randn(T, HV, V, **bf),
                                                                  torch.randn(V, **bf), 1e-6)),
         "silu_mul": (one, lambda c: activations.silu_mul(gate_up[:, :mlp], gate_up[:, mlp:])),
+        "gate_up_silu": (GATE_UP_CONFIGS, lambda c: gate_up_silu(
+            x2, torch.randn(2 * mlp, hidden, **bf), c)),
         "sigmoid_mul": (one, lambda c: activations.sigmoid_mul(qa, torch.randn(T, HQ, D, **bf))),
         "indexed_conv": (indexed_conv.CONV_CONFIGS, lambda c: indexed_conv.indexed_causal_conv(
             x=x, weight=weight, cu_seqlens=cu, conv_pool=conv_pool, read_slots=read, write_slots=write,

@@ -39,6 +39,18 @@ class GateUpConfig:
     warp_specialize: bool = False  # Triton's producer/consumer warps for the K loop (Hopper and later)
 
 
+# The candidates bench.gate_up_ab times (and bench.kernel_resources compiles); the default is the first.
+GATE_UP_CONFIGS = (
+    GateUpConfig(),
+    GateUpConfig(num_stages=4),
+    GateUpConfig(warp_specialize=True),
+    GateUpConfig(BN=64, num_warps=4, num_stages=4),
+    GateUpConfig(BN=64, num_warps=8, num_stages=5),
+    GateUpConfig(BM=64, num_warps=4, num_stages=4),
+    GateUpConfig(BM=256, BN=64, num_warps=8, num_stages=3),
+)
+
+
 @triton.jit(do_not_specialize=["T"])
 def gate_up_silu_kernel(
     x_desc,  # [T, K]
