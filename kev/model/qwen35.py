@@ -121,10 +121,13 @@ class FusedProjection:
     def _views(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for lin in self.linears for t in (lin.weight, lin.bias) if t is not None)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def check_views(self) -> None:
         if self._views() != self._pointers:
             raise RuntimeError("a fused projection's parameters were replaced (load_state_dict(assign=True)?): "
                                "call fuse_projections() again")
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.check_views()
         return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)  # [T, sum(out)] -> column views
 
     def first_from(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
@@ -316,11 +319,10 @@ class MLP(nn.Module):
         self.fused = FusedProjection([self.gate_proj, self.up_proj])
 
     def forward(self, x, ops: Ops):
-        if self.fused is not None:
-            gate, up = self.fused(x)  # column views of one [T, 2F] buffer
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ops.silu_mul(gate, up))
+        if self.fused is not None and self.fused.bias is None:
+            self.fused.check_views()
+            return self.down_proj(ops.gate_up_silu(x, self.fused.weight))
+        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

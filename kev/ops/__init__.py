@@ -114,6 +114,13 @@ class Ops(Protocol):
     ) -> torch.Tensor:  # [T, F] silu(gate) * up
         ...
 
+    def gate_up_silu(
+        self,
+        x: torch.Tensor,  # [T, K]
+        weight: torch.Tensor,  # [2F, K] the fused gate+up projection's weight: gate rows, then up rows
+    ) -> torch.Tensor:  # [T, F] silu(x Wg^T) * (x Wu^T)
+        ...
+
 
 def get_ops(backend: str, gathered_max_prefix_tokens: int | None = None) -> Ops:
     """`torch` (reference, any device), `triton` (GPU kernels reading the bank in place) or

@@ -190,6 +190,43 @@ def test_gate_up_silu_bad_inputs(interp):
         gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(16, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="contiguous"):
         gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(8, 16).t())
+    with pytest.raises(ValueError, match="16-byte"):
+        gu.gate_up_silu(torch.zeros(4, 6), torch.zeros(16, 6))  # 24-byte rows
+    assert not gu.supports(torch.zeros(4, 9)[:, :8], torch.zeros(16, 8))  # x's rows 36 bytes apart
+    assert gu.supports(torch.zeros(4, 12)[:, :8], torch.zeros(16, 8))
+
+
+def test_mlp_runs_the_fused_gate_up_when_on(interp, monkeypatch):
+    """The model's MLP through interpreted TritonOps: with `gate_up.on` the fused kernel runs (and
+    only then), and the layer's output matches the unfused path; a shape TMA cannot address falls
+    back to the unfused path."""
+    from kev.model.qwen35 import MLP
+    from random_models import tiny_config
+
+    cfg = tiny_config(hv_per_h=2)
+    g = torch.Generator().manual_seed(9)
+    mlp = MLP(cfg)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    mlp.fuse_projections()
+    x = torch.randn(23, cfg.hidden_size, generator=g)
+    ops = interp.triton_ops.TritonOps()
+    calls = []
+    kernel = interp.gate_up.gate_up_silu
+    monkeypatch.setattr(interp.gate_up, "gate_up_silu", lambda *a, **k: calls.append(1) or kernel(
+        *a, config=interp.gate_up.GateUpConfig(**GATE_UP_SMALL), **k))
+    off = mlp(x, ops)
+    assert calls == []
+    monkeypatch.setattr(interp.gate_up, "on", True)
+    on = mlp(x, ops)
+    assert calls == [1]
+    err = rel_err(off, on)
+    assert err <= 1e-5, err
+    skewed = torch.zeros(23, cfg.hidden_size + 1)[:, :cfg.hidden_size]  # rows 4 (hidden + 1) bytes apart
+    skewed.copy_(x)
+    assert not interp.gate_up.supports(skewed, mlp.fused.weight)
+    assert torch.equal(mlp(skewed, ops), off)  # the unfused path, bit for bit
+    assert calls == [1]
 
 
 # ---- fused projections ----

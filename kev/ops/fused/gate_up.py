@@ -28,6 +28,9 @@ from kev.ops.fused.activations import silu_times
 from kev.ops.pdl import launch_options, wait_for_previous
 
 
+on = False  # True: TritonOps.gate_up_silu runs this kernel (bench A/B: `--gate-up`); False: cuBLAS + silu_mul
+
+
 @dataclass(frozen=True)
 class GateUpConfig:
     BM: int = 128
@@ -84,12 +87,21 @@ def gate_up_silu_kernel(
         y_desc.store([i_m * BM, i_n * BN], silu_times(b_g, b_u, DT))
 
 
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether TMA can address these: every row of x, the weight and the output starts 16-byte aligned."""
+    e = x.element_size()
+    return (x.ndim == 2 and x.stride(1) == 1 and (x.stride(0) * e) % 16 == 0 and x.data_ptr() % 16 == 0
+            and weight.ndim == 2 and weight.is_contiguous() and (weight.shape[1] * e) % 16 == 0
+            and weight.data_ptr() % 16 == 0 and (weight.shape[0] // 2 * e) % 16 == 0)
+
+
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig = GateUpConfig(),
                  programs: int | None = None) -> torch.Tensor:
     """silu(x @ w_gate^T) * (x @ w_up^T).
 
-    x:      [T, K], unit stride over K, 16-byte aligned rows
+    x:      [T, K], unit stride over K
     weight: [2F, K] contiguous: the gate rows then the up rows (`FusedProjection.weight`)
+    Every row of x, weight and the output 16-byte aligned (`supports`).
     programs: the persistent grid's size (default: the device's SM count)
     Returns [T, F] contiguous, x's dtype.
     """
@@ -97,6 +109,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig = G
         raise ValueError(f"x [T, K] and weight [2F, K] expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError("x and weight must share a dtype, weight contiguous, x unit-stride over K")
+    if not supports(x, weight):
+        raise ValueError(f"rows of x {tuple(x.shape)} (stride {x.stride(0)}) and weight {tuple(weight.shape)} "
+                         "must start 16-byte aligned for TMA")
     T, K = x.shape
     F = weight.shape[0] // 2
     y = torch.empty((T, F), dtype=x.dtype, device=x.device)

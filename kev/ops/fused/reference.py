@@ -58,6 +58,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu(gate) * up
 
 
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's silu(x Wg) * (x Wu), weight [2F, K] the gate rows then the up rows: one GEMM, then
+    silu_mul on its column views."""
+    return silu_mul(*torch.nn.functional.linear(x, weight).chunk(2, dim=-1))
+
+
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The attention output gate: x * sigmoid(gate). `out`: written into and returned."""
     return _written(x * sigmoid(gate), out)
@@ -89,3 +95,4 @@ class ReferenceElementwise:
     rms_norm_rope = staticmethod(rms_norm_rope)
     gated_rms_norm = staticmethod(gated_rms_norm)
     silu_mul = staticmethod(silu_mul)
+    gate_up_silu = staticmethod(gate_up_silu)
