@@ -53,7 +53,8 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     # interpreted as the environment says then)
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import indexed_scan, prep
+    from kev.ops.delta_rule import chunk_o, indexed_scan, prep
+    from kev.ops.fused.reference import GatedNorm
     from kev.ops.fused import activations, norms
     from kev.ops.fused.gate_up import GATE_UP_CONFIGS, gate_up_silu
     from kev.ops.gates import DeltaGates
@@ -105,6 +106,9 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
+        "chunk_o_norm": (one, lambda c: chunk_o.chunk_o_norm(  # the delta rule's output with the norm in its store
+            torch.randn(T, H, K, **bf), torch.randn(T, H, K, **bf), u, torch.randn(int(offsets[-1]), HV, K, V, **bf),
+            g, K ** -0.5, cu, chunks, GatedNorm(torch.randn(T, HV, 2 * V, **bf)[..., V:], torch.randn(V, **bf), 1e-6))),
         "paged_prefix_attention": (attn_configs, lambda c: attention(c, False)),
         "paged_prefix_split": (attn_configs, lambda c: attention(c, True)),  # the span and finish kernels
         "paged_store": (one, lambda c: paged_prefix.paged_store(  # a state pass's last attention layer

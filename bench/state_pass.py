@@ -80,11 +80,18 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=8192)
     ap.add_argument("--gate-up", action="store_true",
                     help="the MLP's gate/up GEMM with silu_mul fused in (kev/ops/fused/gate_up.py; off by default): the A/B")
+    ap.add_argument("--chunk-o", action="store_true",
+                    help="the DeltaNet output norm fused into the delta rule's output kernel "
+                         "(kev/ops/delta_rule/chunk_o.py; off by default): the A/B")
     args = ap.parse_args()
     if args.gate_up:
         from kev.ops.fused import gate_up
 
         gate_up.on = True
+    if args.chunk_o:
+        from kev.ops.delta_rule import chunk_o
+
+        chunk_o.on = True
     cfg = kev4b_config()
     model = random_model(cfg).fuse_projections()
     tflops = matmul_tflops()
@@ -97,7 +104,8 @@ def main():
     t0 = time.perf_counter()
     warm_up(runner, [ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE])  # start-up, as the bank service does it
     info = {**run_info(), "warm_up_s": time.perf_counter() - t0, "matmul_tflops": tflops,
-            "chunk_tokens": args.chunk_tokens, "gate_up_fused": args.gate_up}
+            "chunk_tokens": args.chunk_tokens, "gate_up_fused": args.gate_up,
+            "chunk_o_fused": args.chunk_o}
     gen = torch.Generator().manual_seed(0)
 
     # 16 documents x 2,048 tokens in one pass

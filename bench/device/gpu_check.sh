@@ -116,14 +116,16 @@ for what in "${@:-tests perf}"; do
                     --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
             gate-up-ab)  # the gate/up GEMM with silu_mul fused in against cuBLAS + silu_mul (~60 s cold)
                 step gate_up_ab "${KEV_LIMIT_GATE_UP:-150}" python3 -m bench.gate_up_ab --out "$OUT/gate_up_ab.json" ;;
-            gate-up-state)  # the state pass (16 x 2,048) with cuBLAS + silu_mul, then with the fused gate/up
-                mkdir -p "$OUT/gate_up"
-                for v in "unfused" "fused --gate-up"; do
+            fusion-state)  # the state pass (16 x 2,048): as served, then with the gate/up GEMM fused
+                # (kev/ops/fused/gate_up.py), then with that and the delta rule's output norm fused (chunk_o.py)
+                mkdir -p "$OUT/fusion"
+                for v in "unfused" "gate_up --gate-up" "gate_up_chunk_o --gate-up --chunk-o"; do
                     set -- $v
-                    step "state_pass_$1" 150 python3 -m bench.state_pass --long-doc-tokens 64 --long-reps 1 $2 \
-                        --out "$OUT/gate_up/state_pass_$1.json" --profile-out "$OUT/gate_up/state_pass_$1.txt"
+                    name=$1; shift
+                    step "state_pass_$name" 150 python3 -m bench.state_pass --long-doc-tokens 64 --long-reps 1 "$@" \
+                        --out "$OUT/fusion/state_pass_$name.json" --profile-out "$OUT/fusion/state_pass_$name.txt"
                 done ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, gate-up-ab, gate-up-state)"
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, gate-up-ab, fusion-state)"
                exit 2 ;;
         esac
     done

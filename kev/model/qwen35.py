@@ -30,6 +30,7 @@ from kev.ops.invariant import tiled_linear
 from kev.ops import DeltaGates, Ops, PassMeta
 from kev.ops.meta import PhasedMeta, as_phases
 from kev.ops.fused import reference
+from kev.ops.fused.reference import GatedNorm
 from kev.ops.fused.reference import apply_rope, rms_norm  # noqa: F401  (the model's maths, kept importable here)
 
 
@@ -203,8 +204,8 @@ class GatedDeltaNet(nn.Module):
 
         def delta_rule(meta, qk, v):  # the delta rule and the output norm over all T tokens
             q, k = qk[:, :kd].unflatten(1, (H, K)), qk[:, kd:].unflatten(1, (H, K))
-            o = ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), gates, meta, recurrent_pool)  # [T, HV, V]
-            return ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+            return ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), gates, meta, recurrent_pool,  # [T, HV, V]
+                                        norm=GatedNorm(z, self.norm.weight, self.norm.eps))
 
         if joined is None:  # one phase
             (_, _, meta), = phases

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from kev.ops.fused.reference import GatedNorm
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import HostMeta, PassMeta
 
@@ -40,7 +41,8 @@ class Ops(Protocol):
         gates: DeltaGates,  # [T, HV]: the a, b projections (formed inside: kev/ops/gates.py) or given
         meta: PassMeta,  # may be a `PhasedMeta.joined`: its phases' state passes run in order
         state_pool: torch.Tensor,  # [S, HV, K, V] fp32
-    ) -> torch.Tensor:  # [T, HV, V]
+        norm: GatedNorm | None = None,  # the output norm (z, weight, eps) (fused into the output kernel on GPU)
+    ) -> torch.Tensor:  # [T, HV, V], gated_rms_norm'd when `norm` is given
         ...
 
     def attention(

@@ -98,12 +98,12 @@ class TritonOps:
                                    read_slots=meta.read_slots, write_slots=meta.write_slots,
                                    chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
-    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool, norm=None):
         idx = self.prepare(meta)
         return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, chunk_indices=idx.chunks,
-                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases)
+                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases, norm=norm)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))

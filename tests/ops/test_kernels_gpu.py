@@ -384,6 +384,45 @@ def test_gate_up_silu_at_kev_dims(T):
         assert torch.equal(y, gate_up_silu(x, w, c)), f"{c} changed the bits (same BK: the same sums)"
 
 
+def test_delta_rule_output_norm_fused_at_kev_dims(monkeypatch):
+    """The delta rule's output with the output norm in its store (kev/ops/delta_rule/chunk_o.py) at
+    Kev-4B's DeltaNet heads in bf16: against fla's chunk_fwd_o then gated_rms_norm, mostly their very
+    bits; the states it leaves are the same; a replay gives the same bits."""
+    from kev.ops.delta_rule import chunk_o
+    from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
+    from kev.ops.fused.reference import GatedNorm
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    H, HV, K, V, S = 16, 32, 128, 128, 8
+    lens, read, write = [300, 1, 64, 65, 7], [2, -1, 1, -1, 0], [3, 4, -1, 2, -1]
+    T = sum(lens)
+    r = lambda *shape, scale=1.0: (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()  # noqa: E731
+    q, k, v = r(T, H, K), r(T, H, K), r(T, HV, V)
+    gates = DeltaGates.given(-torch.rand(T, HV, device="cuda", generator=g) * 0.5,
+                             torch.rand(T, HV, device="cuda", generator=g).bfloat16())
+    zbuf = r(T, HV, 2 * V, scale=2.0)
+    norm = GatedNorm(zbuf[..., V:], (torch.randn(V, device="cuda", generator=g) * 0.3 + 1).bfloat16(), 1e-6)
+    pool = torch.randn(S, HV, K, V, device="cuda", generator=g) * 0.3
+    cu = packed(lens, device="cuda")
+
+    def run(on):
+        monkeypatch.setattr(chunk_o, "on", on)
+        p = pool.clone()
+        o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=p,
+                                           read_slots=torch.tensor(read, device="cuda"),
+                                           write_slots=torch.tensor(write, device="cuda"), norm=norm)
+        return o, p
+
+    unfused, pool_unfused = run(False)
+    fused, pool_fused = run(True)
+    same = (fused == unfused).float().mean().item()
+    print(f"fused output norm: rel err {rel_err(unfused, fused):.3g}, identical {same:.3f}")
+    assert torch.isfinite(fused.float()).all()
+    assert rel_err(unfused, fused) <= 1e-2 and same >= 0.5
+    assert torch.equal(pool_fused, pool_unfused)
+    assert torch.equal(fused, run(True)[0])
+
+
 def test_fused_projections_match_unfused(setup):
     """The same weights with one GEMM per projection: close (cuBLAS may pick other kernels per shape)."""
     model, cfg, pools, table, doc_lens = (setup[k] for k in ("model", "cfg", "banks", "table", "doc_lens"))

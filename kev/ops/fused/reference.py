@@ -9,6 +9,8 @@ to a few ulps, not bit for bit.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kev.ops.invariant import sigmoid, silu, softplus
@@ -51,6 +53,15 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(x.dtype)
     return _written((h * silu(z.float())).to(x.dtype), out)
+
+
+class GatedNorm(NamedTuple):
+    """The DeltaNet output norm the delta rule's output goes through (`gated_rms_norm`'s arguments
+    after x): the GPU ops fuse it into the delta rule's output kernel."""
+
+    z: torch.Tensor  # [T, HV, V] gate (a strided column view of the fused projection is fine)
+    weight: torch.Tensor  # [V]
+    eps: float
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
