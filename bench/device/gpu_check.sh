@@ -122,7 +122,7 @@ for what in "${@:-tests perf}"; do
                 for v in "unfused" "gate_up --gate-up" "gate_up_chunk_o --gate-up --chunk-o"; do
                     set -- $v
                     name=$1; shift
-                    step "state_pass_$name" 150 python3 -m bench.state_pass --long-doc-tokens 64 --long-reps 1 "$@" \
+                    step "state_pass_$name" "${KEV_LIMIT_FUSION:-150}" python3 -m bench.state_pass --long-doc-tokens 64 --long-reps 1 "$@" \
                         --out "$OUT/fusion/state_pass_$name.json" --profile-out "$OUT/fusion/state_pass_$name.txt"
                 done ;;
             *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, gate-up-ab, fusion-state)"
