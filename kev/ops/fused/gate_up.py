@@ -40,6 +40,7 @@ class GateUpConfig:
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: bool = False  # Triton's producer/consumer warps for the K loop (Hopper and later)
+    flatten: bool = False  # the tile loop and the K loop pipelined as one (the next tile's loads under this one's store)
 
 
 # The candidates bench.gate_up_ab times (and bench.kernel_resources compiles); the default is the first.
@@ -47,6 +48,8 @@ GATE_UP_CONFIGS = (
     GateUpConfig(),
     GateUpConfig(num_stages=4),
     GateUpConfig(warp_specialize=True),
+    GateUpConfig(flatten=True),
+    GateUpConfig(num_stages=4, flatten=True),
     GateUpConfig(BN=64, num_warps=4, num_stages=4),
     GateUpConfig(BN=64, num_warps=8, num_stages=5),
     GateUpConfig(BM=64, num_warps=4, num_stages=4),
@@ -62,6 +65,7 @@ def gate_up_silu_kernel(
     T, F, K,
     NUM_PROGRAMS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr,
+    FLATTEN: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
@@ -69,7 +73,7 @@ def gate_up_silu_kernel(
     n_m = tl.cdiv(T, BM)
     n_n = tl.cdiv(F, BN)
     per_group = GROUP_M * n_n
-    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=FLATTEN):
         # grouped order: GROUP_M row blocks share each column block while it is in L2
         first_m = (tile // per_group) * GROUP_M
         rows = min(n_m - first_m, GROUP_M)
@@ -127,7 +131,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig = G
         programs = sm_count(x.device)
     programs = min(programs, tiles)
     gate_up_silu_kernel[(programs,)](x_desc, wg_desc, wu_desc, y_desc, T, F, K, NUM_PROGRAMS=programs,
-                                     BM=c.BM, BN=c.BN, BK=c.BK, GROUP_M=c.GROUP_M, WS=c.warp_specialize, num_warps=c.num_warps,
+                                     BM=c.BM, BN=c.BN, BK=c.BK, GROUP_M=c.GROUP_M, WS=c.warp_specialize, FLATTEN=c.flatten, num_warps=c.num_warps,
                                      num_stages=c.num_stages, **launch_options())
     return y
 
