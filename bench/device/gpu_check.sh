@@ -119,8 +119,10 @@ for what in "${@:-tests perf}"; do
             fusion-state)  # the state pass (16 x 2,048): as served, then with the gate/up GEMM fused
                 # (kev/ops/fused/gate_up.py), then with that and the delta rule's output norm fused (chunk_o.py)
                 mkdir -p "$OUT/fusion"
+                # KEV_FUSION_VARIANTS: a subset, by name (default all three)
                 for v in "unfused" "gate_up --gate-up" "gate_up_chunk_o --gate-up --chunk-o"; do
                     set -- $v
+                    case " ${KEV_FUSION_VARIANTS:-unfused gate_up gate_up_chunk_o} " in *" $1 "*) ;; *) continue ;; esac
                     name=$1; shift
                     step "state_pass_$name" "${KEV_LIMIT_FUSION:-150}" python3 -m bench.state_pass --long-doc-tokens 64 --long-reps 1 "$@" \
                         --out "$OUT/fusion/state_pass_$name.json" --profile-out "$OUT/fusion/state_pass_$name.txt"
