@@ -31,7 +31,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--tokens", default="256,2368,8192,32768",
                    help="M values: one request's rows, a five-long sweep, a loaded state pass, the state pass benchmark")
+    p.add_argument("--configs", default=None,
+                   help="indices into GATE_UP_CONFIGS to time, comma-separated (default all)")
     args = p.parse_args()
+    configs = (GATE_UP_CONFIGS if args.configs is None
+               else [GATE_UP_CONFIGS[int(i)] for i in args.configs.split(",")])
     cfg = kev4b_config()
     d, f = cfg.hidden_size, cfg.intermediate_size
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -49,7 +53,7 @@ def main() -> None:
                 "configs": []}
         case["cublas_tflops"] = flops / case["cublas_us"] / 1e6
         del gu
-        for c in GATE_UP_CONFIGS:
+        for c in configs:
             row = {"config": dataclasses.asdict(c)}
             try:
                 out = gate_up_silu(x, w, c)

@@ -115,7 +115,8 @@ for what in "${@:-tests perf}"; do
                 step kernel_floors_six-short_rows 120 python3 -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows \
                     --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
             gate-up-ab)  # the gate/up GEMM with silu_mul fused in against cuBLAS + silu_mul (~60 s cold)
-                step gate_up_ab "${KEV_LIMIT_GATE_UP:-150}" python3 -m bench.gate_up_ab --out "$OUT/gate_up_ab.json" ;;
+                step gate_up_ab "${KEV_LIMIT_GATE_UP:-150}" python3 -m bench.gate_up_ab --out "$OUT/gate_up_ab.json" \
+                    ${KEV_GATE_UP_TOKENS:+--tokens "$KEV_GATE_UP_TOKENS"} ${KEV_GATE_UP_CONFIGS:+--configs "$KEV_GATE_UP_CONFIGS"} ;;
             fusion-state)  # the state pass (16 x 2,048): as served, then with the gate/up GEMM fused
                 # (kev/ops/fused/gate_up.py), then with that and the delta rule's output norm fused (chunk_o.py)
                 mkdir -p "$OUT/fusion"
