@@ -29,6 +29,12 @@ def inputs(seed, ratio):
     return q, k, v, gates, norm, pool
 
 
+def pass_meta(cu, read, write):
+    n = len(LENS)
+    return PassMeta(cu_seqlens=cu, read_slots=read, write_slots=write, prefix_lens=torch.zeros(n, dtype=torch.int64),
+                    block_table=torch.zeros(n, 1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_fused_output_norm_matches_unfused_and_reference(interp, poisoned, monkeypatch, ratio):
     q, k, v, gates, norm, pool = inputs(40 + ratio, ratio)
@@ -46,8 +52,7 @@ def test_fused_output_norm_matches_unfused_and_reference(interp, poisoned, monke
     assert torch.isfinite(fused).all(), "unwritten (NaN) elements"
     assert torch.equal(pool_fused, pool_unfused)  # the norm changes no state
     assert rel_err(unfused, fused) <= 1e-5
-    meta = PassMeta(cu_seqlens=cu, read_slots=read, write_slots=write, prefix_lens=torch.zeros(len(LENS), dtype=torch.int64),
-                    block_table=torch.zeros(len(LENS), 1, dtype=torch.int32))
+    meta = pass_meta(cu, read, write)
     ref = TorchOps().gated_delta_rule(q, k, v, gates, meta, pool.clone(), norm=norm)
     assert rel_err(ref, fused) <= 2e-3
 
@@ -61,3 +66,20 @@ def test_bad_norms_are_refused(interp, monkeypatch):
         with pytest.raises(ValueError, match="norm"):
             interp.scan.indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=pool,
                                                        read_slots=read, write_slots=write, norm=bad)
+
+
+def test_indexed_equals_gathered_with_the_fused_norm(interp, poisoned, monkeypatch):
+    """Through the ops the model calls, with the fused output norm on: the gathered variant (states
+    copied into row buffers first) gives the indexed one's bits, outputs and written slots alike."""
+    monkeypatch.setattr(interp.chunk_o, "on", True)
+    q, k, v, gates, norm, pool = inputs(60, 2)
+    cu, read, write = packed(LENS), torch.tensor(READ), torch.tensor(WRITE)
+    meta = pass_meta(cu, read, write)
+    pool_i, pool_g = pool.clone(), pool.clone()
+    indexed = interp.triton_ops.TritonOps().gated_delta_rule(q, k, v, gates, meta, pool_i, norm=norm)
+    gathered = interp.gathered_ops.GatheredOps().gated_delta_rule(q, k, v, gates, meta, pool_g, norm=norm)
+    assert torch.equal(indexed, gathered)
+    assert torch.equal(pool_i, pool_g)
+    monkeypatch.setattr(interp.chunk_o, "on", False)
+    unfused = interp.triton_ops.TritonOps().gated_delta_rule(q, k, v, gates, meta, pool.clone(), norm=norm)
+    assert rel_err(unfused, indexed) <= 1e-5

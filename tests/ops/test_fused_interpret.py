@@ -313,13 +313,14 @@ def compiled_modules():
 
 
 def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
-    """The token count (1..64) changes no compile key of any fused kernel."""
+    """The token count (1..64) changes no compile key of any fused kernel (the gate/up GEMM's
+    persistent grid size included)."""
     from triton import knobs
     from triton.runtime.driver import driver
 
-    n, act = compiled_modules.norms, compiled_modules.activations
+    n, act, gu_gemm = compiled_modules.norms, compiled_modules.activations, compiled_modules.gate_up
     kernels = [n.rms_norm_fwd_kernel, n.gated_rms_norm_fwd_kernel, act.silu_mul_fwd_kernel,
-               act.sigmoid_mul_fwd_kernel]
+               act.sigmoid_mul_fwd_kernel, gu_gemm.gate_up_silu_kernel]
     for kern in kernels:
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
     monkeypatch.setattr(driver, "_active", FakeHopper())
@@ -342,7 +343,9 @@ def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
         gu = torch.randn(T, 2 * F)
         act.silu_mul(gu[:, :F], gu[:, F:])
         act.sigmoid_mul(torch.randn(T, H, D), qg[..., D:])
+        gu_gemm.gate_up_silu(hidden, torch.randn(2 * F, d), gu_gemm.GateUpConfig(**GATE_UP_SMALL),
+                             programs=T)  # the persistent grid's size varies with T: 1 .. 24 programs
     counts = {name: len(k) for name, k in keys.items()}
     # rms_norm_fwd_kernel: plain, residual and RoPE variants (constexpr flags); one key each
     assert counts == {"rms_norm_fwd_kernel": 3, "gated_rms_norm_fwd_kernel": 1, "silu_mul_fwd_kernel": 1,
-                      "sigmoid_mul_fwd_kernel": 1}, counts
+                      "sigmoid_mul_fwd_kernel": 1, "gate_up_silu_kernel": 1}, counts

@@ -57,13 +57,13 @@ GATE_UP_CONFIGS = (
 )
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "programs"])
 def gate_up_silu_kernel(
     x_desc,  # [T, K]
     wg_desc, wu_desc,  # [F, K] each: the gate and up rows of the fused weight
     y_desc,  # [T, F] out
     T, F, K,
-    NUM_PROGRAMS: tl.constexpr,
+    programs,  # the grid's size (a runtime value: one compile whatever T gives)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, WS: tl.constexpr,
     FLATTEN: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
@@ -73,7 +73,7 @@ def gate_up_silu_kernel(
     n_m = tl.cdiv(T, BM)
     n_n = tl.cdiv(F, BN)
     per_group = GROUP_M * n_n
-    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), n_m * n_n, programs, flatten=FLATTEN):
         # grouped order: GROUP_M row blocks share each column block while it is in L2
         first_m = (tile // per_group) * GROUP_M
         rows = min(n_m - first_m, GROUP_M)
@@ -130,9 +130,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GateUpConfig = G
     if programs is None:
         programs = sm_count(x.device)
     programs = min(programs, tiles)
-    gate_up_silu_kernel[(programs,)](x_desc, wg_desc, wu_desc, y_desc, T, F, K, NUM_PROGRAMS=programs,
-                                     BM=c.BM, BN=c.BN, BK=c.BK, GROUP_M=c.GROUP_M, WS=c.warp_specialize, FLATTEN=c.flatten, num_warps=c.num_warps,
-                                     num_stages=c.num_stages, **launch_options())
+    gate_up_silu_kernel[(programs,)](x_desc, wg_desc, wu_desc, y_desc, T, F, K, programs,
+                                     BM=c.BM, BN=c.BN, BK=c.BK, GROUP_M=c.GROUP_M, WS=c.warp_specialize,
+                                     FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages,
+                                     **launch_options())
     return y
 
 
