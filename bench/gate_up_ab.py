@@ -26,6 +26,7 @@ from kev.ops.autotune import graph_bench
 from kev.ops.fused.activations import silu_mul
 from kev.ops.fused.gate_up import GATE_UP_CONFIGS, gate_up_silu
 
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
