@@ -53,7 +53,7 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     # interpreted as the environment says then)
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import chunk_o, indexed_scan, prep
+    from kev.ops.delta_rule import chunk_o, indexed_scan, kkt_solve, prep
     from kev.ops.fused.reference import GatedNorm
     from kev.ops.fused import activations, norms
     from kev.ops.fused.gate_up import GATE_UP_CONFIGS, gate_up_silu
@@ -106,6 +106,8 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
+        "kkt_solve": (kkt_solve.KKT_CONFIGS, lambda c: kkt_solve.kkt_solve(  # (I + A)^-1, one program a key head
+            k[:, :H].contiguous(), g, torch.rand(T, HV, **bf), cu, chunks, *c)),
         "chunk_o_norm": (one, lambda c: chunk_o.chunk_o_norm(  # the delta rule's output with the norm in its store
             torch.randn(T, H, K, **bf), torch.randn(T, H, K, **bf), u, torch.randn(int(offsets[-1]), HV, K, V, **bf),
             g, K ** -0.5, cu, chunks, GatedNorm(torch.randn(T, HV, 2 * V, **bf)[..., V:], torch.randn(V, **bf), 1e-6))),

@@ -83,7 +83,14 @@ def main():
     ap.add_argument("--chunk-o", action="store_true",
                     help="the DeltaNet output norm fused into the delta rule's output kernel "
                          "(kev/ops/delta_rule/chunk_o.py; off by default): the A/B")
+    ap.add_argument("--kkt-solve", action="store_true",
+                    help="the delta rule's intra-chunk inverse as our kernel, then fla's WY recompute "
+                         "(kev/ops/delta_rule/kkt_solve.py; off by default): the A/B")
     args = ap.parse_args()
+    if args.kkt_solve:
+        from kev.ops.delta_rule import kkt_solve
+
+        kkt_solve.on = True
     if args.gate_up:
         from kev.ops.fused import gate_up
 
@@ -105,7 +112,7 @@ def main():
     warm_up(runner, [ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE])  # start-up, as the bank service does it
     info = {**run_info(), "warm_up_s": time.perf_counter() - t0, "matmul_tflops": tflops,
             "chunk_tokens": args.chunk_tokens, "gate_up_fused": args.gate_up,
-            "chunk_o_fused": args.chunk_o}
+            "chunk_o_fused": args.chunk_o, "kkt_solve": args.kkt_solve}
     gen = torch.Generator().manual_seed(0)
 
     # 16 documents x 2,048 tokens in one pass

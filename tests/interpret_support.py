@@ -22,7 +22,7 @@ from bench.kernel_resources import HopperDriver as FakeHopper  # noqa: F401 - th
 MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule", "kev.ops.attention.paged_prefix",
            "kev.ops.fused", "kev.ops.triton_ops", "kev.ops.gathered_ops")
 NAMES = dict(conv="kev.ops.conv.indexed_conv", scan="kev.ops.delta_rule.indexed_scan",
-             prep="kev.ops.delta_rule.prep", gate_up="kev.ops.fused.gate_up", chunk_o="kev.ops.delta_rule.chunk_o",
+             prep="kev.ops.delta_rule.prep", kkt="kev.ops.delta_rule.kkt_solve", gate_up="kev.ops.fused.gate_up", chunk_o="kev.ops.delta_rule.chunk_o",
              attn="kev.ops.attention.paged_prefix", norms="kev.ops.fused.norms",
              activations="kev.ops.fused.activations", triton_ops="kev.ops.triton_ops",
              gathered_ops="kev.ops.gathered_ops")

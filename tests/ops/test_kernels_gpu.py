@@ -423,6 +423,58 @@ def test_delta_rule_output_norm_fused_at_kev_dims(monkeypatch):
     assert torch.equal(fused, run(True)[0])
 
 
+def test_kkt_solve_at_kev_dims(monkeypatch):
+    """Our intra-chunk inverse (kev/ops/delta_rule/kkt_solve.py) at Kev-4B's DeltaNet heads in bf16:
+    against the fp64 solve as closely as fla's fused KK^T + solve, mostly fla's very bits; every
+    config the same bits; the delta rule with it on close to off, replays identical."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from kev.ops.delta_rule import kkt_solve
+    from kev.ops.delta_rule.indexed_scan import indexed_chunk_gated_delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    H, HV, K, V, S = 16, 32, 128, 128, 8
+    lens, read, write = [300, 1, 64, 65, 7, 20], [2, -1, 1, -1, 0, 6], [3, 4, -1, 7, -1, 5]
+    T = sum(lens)
+    cu = packed(lens, device="cuda")
+    chunks = prepare_chunk_indices(cu, 64)
+    k = torch.randn(T, H, K, device="cuda", generator=g)
+    k = (k / k.norm(dim=-1, keepdim=True)).bfloat16()
+    beta = torch.rand(T, HV, device="cuda", generator=g).bfloat16()
+    decay = -torch.rand(T, HV, device="cuda", generator=g) * 0.5
+    bounds = cu.tolist()  # the cumsum restarts every chunk of every sequence, as `prep` writes it
+    g_cum = torch.cat([c.cumsum(0) for s, e in zip(bounds, bounds[1:]) for c in decay[s:e].split(64)])
+    ours = kkt_solve.kkt_solve(k, g_cum, beta, cu, chunks)
+    v = torch.randn(T, HV, V, device="cuda", generator=g).bfloat16()
+    _, _, fla_a = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum[None], beta=beta[None],
+                                                   cu_seqlens=cu, chunk_size=64, chunk_indices=chunks)
+    ref = kkt_solve.kkt_solve_reference(k.cpu(), g_cum.cpu(), beta.cpu(), cu.cpu())
+    err_ours, err_fla = rel_err(ref, ours.cpu()), rel_err(ref, fla_a[0].cpu())
+    same = (ours == fla_a[0]).float().mean().item()
+    print(f"kkt_solve: rel err vs fp64 {err_ours:.3g} (fla {err_fla:.3g}), identical to fla {same:.3f}")
+    assert err_ours <= 1.5 * err_fla + 1e-4 and same >= 0.5
+    for c in kkt_solve.KKT_CONFIGS[1:]:
+        assert torch.equal(ours, kkt_solve.kkt_solve(k, g_cum, beta, cu, chunks, *c)), f"config {c} changed the bits"
+
+    q = torch.randn(T, H, K, device="cuda", generator=g).bfloat16()
+    gates = DeltaGates.given(decay, beta)
+    pool = torch.randn(S, HV, K, V, device="cuda", generator=g) * 0.3
+
+    def run(on):
+        monkeypatch.setattr(kkt_solve, "on", on)
+        p = pool.clone()
+        o = indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=cu, state_pool=p,
+                                           read_slots=torch.tensor(read, device="cuda"),
+                                           write_slots=torch.tensor(write, device="cuda"))
+        return o, p
+
+    (o_off, p_off), (o_on, p_on) = run(False), run(True)
+    print(f"delta rule, inverse on vs off: rel err {rel_err(o_off, o_on):.3g} (states {rel_err(p_off, p_on):.3g})")
+    assert rel_err(o_off, o_on) <= 1e-2 and rel_err(p_off, p_on) <= 1e-2
+    assert torch.equal(o_on, run(True)[0])
+
+
 def test_fused_projections_match_unfused(setup):
     """The same weights with one GEMM per projection: close (cuBLAS may pick other kernels per shape)."""
     model, cfg, pools, table, doc_lens = (setup[k] for k in ("model", "cfg", "banks", "table", "doc_lens"))

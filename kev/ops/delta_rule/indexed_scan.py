@@ -29,9 +29,10 @@ import triton
 import triton.language as tl
 from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from kev.ops.delta_rule import chunk_o
+from kev.ops.delta_rule import chunk_o, kkt_solve
 from kev.ops.delta_rule.chunk_steps import chunk_outputs, next_state, slot_state, write_slot_state
 from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
 from kev.ops.fused.norms import gated_rms_norm
@@ -281,8 +282,14 @@ def indexed_chunk_gated_delta_rule(
     # fla's WY recompute reads [T, HV, V] contiguous: the model's v already is (the conv writes it
     # as a block of its own, kev/ops/conv/indexed_conv.py); any other caller's v is copied here.
     v = v.contiguous()
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
-                                               cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
+    if kkt_solve.on:  # our (I + A)^-1 (one program a key head), then fla's WY recompute
+        a_inv = kkt_solve.kkt_solve(k, g_cum[0], beta, cu_seqlens, chunk_indices)
+        w, u = recompute_w_u_fwd(k=k[None], v=v[None], beta=beta[None], A=a_inv[None], g=g_cum,
+                                 cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    else:
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
+                                                   cu_seqlens=cu_seqlens, chunk_size=CHUNK,
+                                                   chunk_indices=chunk_indices)
     N = read_slots.shape[0]
     counts = tuple(phases) or (N,)
     if sum(counts) != N or min(counts) < 0:
