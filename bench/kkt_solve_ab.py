@@ -76,7 +76,7 @@ def main() -> None:
             ref = kkt_solve_reference(k.cpu(), g.cpu(), beta.cpu(), cu.cpu())
             case["fla_rel_err_vs_fp64"] = ((a_ref[0].cpu().double() - ref).norm() / ref.norm()).item()
         for c in KKT_CONFIGS:
-            row = {"config": {"num_warps": c[0], "block_k": c[1], "heads_per_program": c[2]}}
+            row = {"config": {"num_warps": c[0], "block_k": c[1], "heads_per_program": c[2], "diagonal": c[3]}}
             try:
                 a = kkt_solve(k, g, beta, cu, chunks, *c)
                 row["kkt_solve_us"] = graph_bench(lambda c=c: kkt_solve(k, g, beta, cu, chunks, *c)) * 1e3

@@ -455,7 +455,10 @@ def test_kkt_solve_at_kev_dims(monkeypatch):
     print(f"kkt_solve: rel err vs fp64 {err_ours:.3g} (fla {err_fla:.3g}), identical to fla {same:.3f}")
     assert err_ours <= 1.5 * err_fla + 1e-4 and same >= 0.5
     for c in kkt_solve.KKT_CONFIGS[1:]:
-        assert torch.equal(ours, kkt_solve.kkt_solve(k, g_cum, beta, cu, chunks, *c)), f"config {c} changed the bits"
+        other = kkt_solve.kkt_solve(k, g_cum, beta, cu, chunks, *c)
+        if c[3] == kkt_solve.DIAGONAL:  # the same products in the same order
+            assert torch.equal(ours, other), f"config {c} changed the bits"
+        assert rel_err(ref, other.cpu()) <= 1.5 * err_fla + 1e-4, c
 
     q = torch.randn(T, H, K, device="cuda", generator=g).bfloat16()
     gates = DeltaGates.given(decay, beta)

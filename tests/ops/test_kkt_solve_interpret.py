@@ -51,6 +51,9 @@ def test_inverse_matches_the_fp64_solve_and_fla(interp, poisoned, ratio):
     _, _, fla_a = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g[None], beta=beta[None], cu_seqlens=cu,
                                                    chunk_size=64, chunk_indices=chunks)
     assert rel_err(fla_a[0], out) <= 1e-5
+    # every value head of a key head in one program (K K^T formed once): the same products
+    shared = interp.kkt.kkt_solve(k, g, beta, cu, chunks, heads_per_program=0)
+    assert torch.equal(shared, out)
 
 
 def test_no_op_entries_write_nothing(interp):

@@ -18,7 +18,8 @@ state pass's profile (10.5 ms against ~2.4 ms). Two things differ here:
    holds K K^T across the heads and spills (64-168 bytes a thread): the bench times both.
 
 The output is written whole, zeros above the diagonal, so no memset precedes it (fla zeroes its
-buffer first). One config, no autotune: served results must not depend on a shape class's pick.
+buffer first). One config served (the first of `KKT_CONFIGS`), no autotune: served results must not
+depend on a shape class's pick. The others are the bench's candidates.
 
 Reference: `kkt_solve_reference` (fp64, torch), fla's fused kernel (the same output up to rounding).
 """
@@ -35,13 +36,18 @@ from kev.ops.utils import chunk_entry
 on = False  # True: indexed_scan forms (I + A)^-1 with this kernel, then fla's recompute_w_u (bench: `--kkt-solve`)
 
 BT, BC = 64, 16  # the chunk (fla's WY recompute reads [T, HV, 64]) and its four row blocks
-# The diagonal inverses' products in fp32 (as fla's substitution); the block merges in tf32 (as fla's).
-DIAGONAL_PRECISION: tl.constexpr = tl.constexpr("ieee")
+# The block merges' products in tf32, as fla's. The diagonal inverses' in fp32 (fla substitutes in fp32):
+# "ieee" on the FMA units or "tf32x3" on the tensor cores (three tf32 products, about fp32's
+# accuracy), a config's choice: session 33's kernel lost with its merges as "ieee" dots.
 MERGE_PRECISION: tl.constexpr = tl.constexpr("tf32")
-# (num_warps, BK) the bench times; the first is the one served. Every one computes each element with the same
-# products in the same order (BK splits the K K^T sums at multiples of 16, as the dots do anyway).
-KKT_CONFIGS = ((4, 64, 1), (2, 64, 1), (1, 64, 1), (8, 64, 1), (4, 64, 0), (8, 64, 0))
-NUM_WARPS, BLOCK_K, HEADS_PER_PROGRAM = KKT_CONFIGS[0]
+# (num_warps, BK, value heads a program (0: all of a key head's), diagonal precision): the candidates
+# the bench times; the first is the one served. Configs of one precision compute each element with the
+# same products in the same order (BK splits the K K^T sums at multiples of 16, as the dots do anyway).
+# Compiled for sm_90 at Kev-4B's heads: the "ieee" configs of one value head a program use 201-224
+# registers and spill none; K K^T shared by two heads, or "tf32x3", spill 72-136 bytes a thread.
+KKT_CONFIGS = ((4, 64, 1, "ieee"), (2, 64, 1, "ieee"), (1, 64, 1, "ieee"), (8, 64, 1, "ieee"), (4, 64, 0, "ieee"),
+               (4, 64, 1, "tf32x3"))
+NUM_WARPS, BLOCK_K, HEADS_PER_PROGRAM, DIAGONAL = KKT_CONFIGS[0]
 
 
 @triton.jit
@@ -63,15 +69,15 @@ def _scaled(b_kk, b_beta, b_g_r, b_g_c, m_r, m_c, DIAGONAL: tl.constexpr, BC: tl
 
 
 @triton.jit
-def _unit_lower_inverse(b_a, BC: tl.constexpr):
+def _unit_lower_inverse(b_a, BC: tl.constexpr, PRECISION: tl.constexpr):
     """(I + A)^-1 of a strictly lower-triangular [16, 16] A: with N = -A (N^16 = 0), the product
     (I + N)(I + N^2)(I + N^4)(I + N^8), each factor's power the last one squared."""
     o_i = tl.arange(0, BC)
     b_p = -b_a
     b_x = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0) + b_p
     for _ in tl.static_range(3):
-        b_p = tl.dot(b_p, b_p, input_precision=DIAGONAL_PRECISION)
-        b_x += tl.dot(b_x, b_p, input_precision=DIAGONAL_PRECISION)
+        b_p = tl.dot(b_p, b_p, input_precision=PRECISION)
+        b_x += tl.dot(b_x, b_p, input_precision=PRECISION)
     return b_x
 
 
@@ -93,6 +99,7 @@ def kkt_solve_kernel(
     T,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     VPP: tl.constexpr,  # value heads a program (of those that read its key head)
+    DIAGONAL_PRECISION: tl.constexpr,  # of the diagonal inverses' products: "ieee" or "tf32x3"
     USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
@@ -158,10 +165,10 @@ def kkt_solve_kernel(
         b_a30 = _scaled(b_kk30, b_b3, b_g3, b_g0, m_3, m_0, False, BC)
         b_a31 = _scaled(b_kk31, b_b3, b_g3, b_g1, m_3, m_1, False, BC)
         b_a32 = _scaled(b_kk32, b_b3, b_g3, b_g2, m_3, m_2, False, BC)
-        b_x00 = _unit_lower_inverse(_scaled(b_kk00, b_b0, b_g0, b_g0, m_0, m_0, True, BC), BC)
-        b_x11 = _unit_lower_inverse(_scaled(b_kk11, b_b1, b_g1, b_g1, m_1, m_1, True, BC), BC)
-        b_x22 = _unit_lower_inverse(_scaled(b_kk22, b_b2, b_g2, b_g2, m_2, m_2, True, BC), BC)
-        b_x33 = _unit_lower_inverse(_scaled(b_kk33, b_b3, b_g3, b_g3, m_3, m_3, True, BC), BC)
+        b_x00 = _unit_lower_inverse(_scaled(b_kk00, b_b0, b_g0, b_g0, m_0, m_0, True, BC), BC, DIAGONAL_PRECISION)
+        b_x11 = _unit_lower_inverse(_scaled(b_kk11, b_b1, b_g1, b_g1, m_1, m_1, True, BC), BC, DIAGONAL_PRECISION)
+        b_x22 = _unit_lower_inverse(_scaled(b_kk22, b_b2, b_g2, b_g2, m_2, m_2, True, BC), BC, DIAGONAL_PRECISION)
+        b_x33 = _unit_lower_inverse(_scaled(b_kk33, b_b3, b_g3, b_g3, m_3, m_3, True, BC), BC, DIAGONAL_PRECISION)
         # below the diagonal: X_rc = -X_rr sum_{c <= m < r} A_rm X_mc
         b_x10 = -tl.dot(tl.dot(b_x11, b_a10, input_precision=MERGE_PRECISION), b_x00, input_precision=MERGE_PRECISION)
         b_x21 = -tl.dot(tl.dot(b_x22, b_a21, input_precision=MERGE_PRECISION), b_x11, input_precision=MERGE_PRECISION)
@@ -197,7 +204,7 @@ def kkt_solve_kernel(
 
 def kkt_solve(k: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor,
               chunk_indices: torch.Tensor, num_warps: int = NUM_WARPS, block_k: int = BLOCK_K,
-              heads_per_program: int = HEADS_PER_PROGRAM) -> torch.Tensor:
+              heads_per_program: int = HEADS_PER_PROGRAM, diagonal: str = DIAGONAL) -> torch.Tensor:
     """(I + strict_lower(diag(beta) K K^T * 2^(G_i - G_j)))^-1 of every chunk and value head.
 
     k:     [T, H, K] contiguous, normalised; g_cum [T, HV] fp32 contiguous, the chunk-local cumsum of
@@ -224,7 +231,8 @@ def kkt_solve(k: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor, cu_seqle
     if (HV // H) % vpp:
         raise ValueError(f"heads_per_program={vpp} must divide HV / H = {HV // H}")
     kkt_solve_kernel[(NT, HV // vpp)](k, g_cum, beta, out, cu_seqlens, chunk_indices, T, H=H, HV=HV, K=K, BC=BC,
-                                      BK=min(block_k, triton.next_power_of_2(K)), VPP=vpp, num_warps=num_warps,
+                                      BK=min(block_k, triton.next_power_of_2(K)), VPP=vpp,
+                                      DIAGONAL_PRECISION=diagonal, num_warps=num_warps,
                                       **launch_options())
     return out
 
