@@ -53,10 +53,8 @@ def launchers() -> dict[str, tuple[list, Callable]]:
     # interpreted as the environment says then)
     from kev.ops.attention import paged_prefix
     from kev.ops.conv import indexed_conv
-    from kev.ops.delta_rule import chunk_o, indexed_scan, kkt_solve, prep
-    from kev.ops.fused.reference import GatedNorm
+    from kev.ops.delta_rule import indexed_scan, prep
     from kev.ops.fused import activations, norms
-    from kev.ops.fused.gate_up import GATE_UP_CONFIGS, gate_up_silu
     from kev.ops.gates import DeltaGates
 
     T, C = N * L, 2 * H * K + HV * V
@@ -95,8 +93,6 @@ def launchers() -> dict[str, tuple[list, Callable]]:
         "gated_rms_norm": (one, lambda c: norms.gated_rms_norm(u, torch.randn(T, HV, V, **bf),
                                                                  torch.randn(V, **bf), 1e-6)),
         "silu_mul": (one, lambda c: activations.silu_mul(gate_up[:, :mlp], gate_up[:, mlp:])),
-        "gate_up_silu": (GATE_UP_CONFIGS, lambda c: gate_up_silu(
-            x2, torch.randn(2 * mlp, hidden, **bf), c)),
         "sigmoid_mul": (one, lambda c: activations.sigmoid_mul(qa, torch.randn(T, HQ, D, **bf))),
         "indexed_conv": (indexed_conv.CONV_CONFIGS, lambda c: indexed_conv.indexed_causal_conv(
             x=x, weight=weight, cu_seqlens=cu, conv_pool=conv_pool, read_slots=read, write_slots=write,
@@ -106,11 +102,6 @@ def launchers() -> dict[str, tuple[list, Callable]]:
             cu, chunks)),
         "indexed_scan": (indexed_scan.SCAN_CONFIGS, lambda c: indexed_scan.indexed_scan(
             k, w, u, g, cu, offsets, int(offsets[-1]), pool, read, write, config=c)),
-        "kkt_solve": (kkt_solve.KKT_CONFIGS, lambda c: kkt_solve.kkt_solve(  # (I + A)^-1, one program a key head
-            k[:, :H].contiguous(), g, torch.rand(T, HV, **bf), cu, chunks, *c)),
-        "chunk_o_norm": (one, lambda c: chunk_o.chunk_o_norm(  # the delta rule's output with the norm in its store
-            torch.randn(T, H, K, **bf), torch.randn(T, H, K, **bf), u, torch.randn(int(offsets[-1]), HV, K, V, **bf),
-            g, K ** -0.5, cu, chunks, GatedNorm(torch.randn(T, HV, 2 * V, **bf)[..., V:], torch.randn(V, **bf), 1e-6))),
         "paged_prefix_attention": (attn_configs, lambda c: attention(c, False)),
         "paged_prefix_split": (attn_configs, lambda c: attention(c, True)),  # the span and finish kernels
         "paged_store": (one, lambda c: paged_prefix.paged_store(  # a state pass's last attention layer

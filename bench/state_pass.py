@@ -58,7 +58,7 @@ def profile_pass(fn, path: str) -> dict:
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 1e3
     gemm = sum(e.self_device_time_total for e in events
-               if any(s in e.key for s in ("nvjet", "gemm", "cutlass", "xmma", "gate_up_silu"))) / 1e3
+               if any(s in e.key for s in ("nvjet", "gemm", "cutlass", "xmma"))) / 1e3
     attn = sum(e.self_device_time_total for e in events if "paged_prefix" in e.key) / 1e3
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # runs/ is created on first use
     with open(path, "w") as f:
@@ -78,27 +78,7 @@ def main():
     ap.add_argument("--long-doc-tokens", type=int, default=61440)
     ap.add_argument("--long-reps", type=int, default=2)
     ap.add_argument("--chunk-tokens", type=int, default=8192)
-    ap.add_argument("--gate-up", action="store_true",
-                    help="the MLP's gate/up GEMM with silu_mul fused in (kev/ops/fused/gate_up.py; off by default): the A/B")
-    ap.add_argument("--chunk-o", action="store_true",
-                    help="the DeltaNet output norm fused into the delta rule's output kernel "
-                         "(kev/ops/delta_rule/chunk_o.py; off by default): the A/B")
-    ap.add_argument("--kkt-solve", action="store_true",
-                    help="the delta rule's intra-chunk inverse as our kernel, then fla's WY recompute "
-                         "(kev/ops/delta_rule/kkt_solve.py; off by default): the A/B")
     args = ap.parse_args()
-    if args.kkt_solve:
-        from kev.ops.delta_rule import kkt_solve
-
-        kkt_solve.on = True
-    if args.gate_up:
-        from kev.ops.fused import gate_up
-
-        gate_up.on = True
-    if args.chunk_o:
-        from kev.ops.delta_rule import chunk_o
-
-        chunk_o.on = True
     cfg = kev4b_config()
     model = random_model(cfg).fuse_projections()
     tflops = matmul_tflops()
@@ -111,8 +91,7 @@ def main():
     t0 = time.perf_counter()
     warm_up(runner, [ShapeClass.DOCS_FEW, ShapeClass.DOCS_WIDE])  # start-up, as the bank service does it
     info = {**run_info(), "warm_up_s": time.perf_counter() - t0, "matmul_tflops": tflops,
-            "chunk_tokens": args.chunk_tokens, "gate_up_fused": args.gate_up,
-            "chunk_o_fused": args.chunk_o, "kkt_solve": args.kkt_solve}
+            "chunk_tokens": args.chunk_tokens}
     gen = torch.Generator().manual_seed(0)
 
     # 16 documents x 2,048 tokens in one pass

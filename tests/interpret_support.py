@@ -17,12 +17,12 @@ import pytest
 
 from bench.kernel_resources import HopperDriver as FakeHopper  # noqa: F401 - the tests' stand-in driver (sm_90)
 
-# kev.ops.delta_rule whole, the package too: its modules import each other as attributes of it
-# (`from kev.ops.delta_rule import chunk_o`), which must be the fresh ones
-MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule", "kev.ops.attention.paged_prefix",
+MODULES = ("kev.ops.conv.indexed_conv", "kev.ops.delta_rule.indexed_scan",
+           "kev.ops.delta_rule.chunk_steps", "kev.ops.delta_rule.prep",
+           "kev.ops.attention.paged_prefix",
            "kev.ops.fused", "kev.ops.triton_ops", "kev.ops.gathered_ops")
 NAMES = dict(conv="kev.ops.conv.indexed_conv", scan="kev.ops.delta_rule.indexed_scan",
-             prep="kev.ops.delta_rule.prep", kkt="kev.ops.delta_rule.kkt_solve", gate_up="kev.ops.fused.gate_up", chunk_o="kev.ops.delta_rule.chunk_o",
+             prep="kev.ops.delta_rule.prep",
              attn="kev.ops.attention.paged_prefix", norms="kev.ops.fused.norms",
              activations="kev.ops.fused.activations", triton_ops="kev.ops.triton_ops",
              gathered_ops="kev.ops.gathered_ops")

@@ -114,25 +114,7 @@ for what in "${@:-tests perf}"; do
                     --out "$OUT/load_shapes/kernel_floors_six-short.json"
                 step kernel_floors_six-short_rows 120 python3 -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows \
                     --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
-            gate-up-ab)  # the gate/up GEMM with silu_mul fused in against cuBLAS + silu_mul (~60 s cold)
-                step gate_up_ab "${KEV_LIMIT_GATE_UP:-150}" python3 -m bench.gate_up_ab --out "$OUT/gate_up_ab.json" \
-                    ${KEV_GATE_UP_TOKENS:+--tokens "$KEV_GATE_UP_TOKENS"} ${KEV_GATE_UP_CONFIGS:+--configs "$KEV_GATE_UP_CONFIGS"} ;;
-            kkt-ab)  # our intra-chunk inverse + fla's WY recompute against fla's pair (kev/ops/delta_rule/kkt_solve.py)
-                step kkt_solve_ab "${KEV_LIMIT_KKT:-150}" python3 -m bench.kkt_solve_ab --out "$OUT/kkt_solve_ab.json" ;;
-            fusion-state)  # the state pass (16 x 2,048): as served, then with the gate/up GEMM fused
-                # (kev/ops/fused/gate_up.py), then with that and the delta rule's output norm fused (chunk_o.py)
-                mkdir -p "$OUT/fusion"
-                # KEV_FUSION_VARIANTS: a subset, by name (default the first three; kkt_solve: the intra-chunk
-                # inverse alone, all: the three together)
-                for v in "unfused" "gate_up --gate-up" "gate_up_chunk_o --gate-up --chunk-o" "kkt_solve --kkt-solve" \
-                         "all --gate-up --chunk-o --kkt-solve"; do
-                    set -- $v
-                    case " ${KEV_FUSION_VARIANTS:-unfused gate_up gate_up_chunk_o} " in *" $1 "*) ;; *) continue ;; esac
-                    name=$1; shift
-                    step "state_pass_$name" "${KEV_LIMIT_FUSION:-150}" python3 -m bench.state_pass --long-doc-tokens 64 --long-reps 1 "$@" \
-                        --out "$OUT/fusion/state_pass_$name.json" --profile-out "$OUT/fusion/state_pass_$name.txt"
-                done ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, gate-up-ab, kkt-ab, fusion-state)"
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors)"
                exit 2 ;;
         esac
     done

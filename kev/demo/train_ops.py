@@ -135,7 +135,7 @@ class SweepTrainOps(TorchOps):
         yr = F.silu(F.conv1d(xr, w, groups=C)).transpose(1, 2)  # [Nr, Lr, C]
         return channel_blocks(lay.merge(lay.docs.unpad(yd), lay.rows.unpad(yr)), split, out)
 
-    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool, norm=None):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         lay = self._layout(meta, v.device)
         g, beta = gates.values()
         HV, K, V = v.shape[1], q.shape[2], v.shape[2]
@@ -157,8 +157,7 @@ class SweepTrainOps(TorchOps):
         zeros = torch.zeros(lay.docs.n * HV, K, V, dtype=torch.float32, device=v.device)
         od, states = run(lay.docs, zeros)  # states [Nd, HV, K, V] stay in the graph
         orow, _ = run(lay.rows, states[lay.row_doc].reshape(lay.rows.n * HV, K, V))
-        o = lay.merge(od, orow).to(v.dtype)
-        return o if norm is None else self.gated_rms_norm(o, *norm)
+        return lay.merge(od, orow).to(v.dtype)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         lay = self._layout(meta, q.device)

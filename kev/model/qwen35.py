@@ -30,7 +30,6 @@ from kev.ops.invariant import tiled_linear
 from kev.ops import DeltaGates, Ops, PassMeta
 from kev.ops.meta import PhasedMeta, as_phases
 from kev.ops.fused import reference
-from kev.ops.fused.reference import GatedNorm
 from kev.ops.fused.reference import apply_rope, rms_norm  # noqa: F401  (the model's maths, kept importable here)
 
 
@@ -122,13 +121,10 @@ class FusedProjection:
     def _views(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for lin in self.linears for t in (lin.weight, lin.bias) if t is not None)
 
-    def check_views(self) -> None:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._views() != self._pointers:
             raise RuntimeError("a fused projection's parameters were replaced (load_state_dict(assign=True)?): "
                                "call fuse_projections() again")
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self.check_views()
         return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)  # [T, sum(out)] -> column views
 
     def first_from(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, ...]:
@@ -204,8 +200,8 @@ class GatedDeltaNet(nn.Module):
 
         def delta_rule(meta, qk, v):  # the delta rule and the output norm over all T tokens
             q, k = qk[:, :kd].unflatten(1, (H, K)), qk[:, kd:].unflatten(1, (H, K))
-            return ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), gates, meta, recurrent_pool,  # [T, HV, V]
-                                        norm=GatedNorm(z, self.norm.weight, self.norm.eps))
+            o = ops.gated_delta_rule(q, k, v.unflatten(1, (HV, V)), gates, meta, recurrent_pool)  # [T, HV, V]
+            return ops.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
 
         if joined is None:  # one phase
             (_, _, meta), = phases
@@ -320,10 +316,11 @@ class MLP(nn.Module):
         self.fused = FusedProjection([self.gate_proj, self.up_proj])
 
     def forward(self, x, ops: Ops):
-        if self.fused is not None and self.fused.bias is None:
-            self.fused.check_views()
-            return self.down_proj(ops.gate_up_silu(x, self.fused.weight))
-        return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.fused is not None:
+            gate, up = self.fused(x)  # column views of one [T, 2F] buffer
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-from kev.ops.fused.reference import GatedNorm
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import HostMeta, PassMeta
 
@@ -41,8 +40,7 @@ class Ops(Protocol):
         gates: DeltaGates,  # [T, HV]: the a, b projections (formed inside: kev/ops/gates.py) or given
         meta: PassMeta,  # may be a `PhasedMeta.joined`: its phases' state passes run in order
         state_pool: torch.Tensor,  # [S, HV, K, V] fp32
-        norm: GatedNorm | None = None,  # the output norm (z, weight, eps) (fused into the output kernel on GPU)
-    ) -> torch.Tensor:  # [T, HV, V], gated_rms_norm'd when `norm` is given
+    ) -> torch.Tensor:  # [T, HV, V]
         ...
 
     def attention(
@@ -114,13 +112,6 @@ class Ops(Protocol):
         gate: torch.Tensor,  # [T, F] (may be a column view of a fused gate+up projection)
         up: torch.Tensor,  # [T, F]
     ) -> torch.Tensor:  # [T, F] silu(gate) * up
-        ...
-
-    def gate_up_silu(
-        self,
-        x: torch.Tensor,  # [T, K]
-        weight: torch.Tensor,  # [2F, K] the fused gate+up projection's weight: gate rows, then up rows
-    ) -> torch.Tensor:  # [T, F] silu(x Wg^T) * (x Wu^T)
         ...
 
 

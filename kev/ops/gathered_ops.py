@@ -127,7 +127,7 @@ class GatheredOps(TritonOps):
                                    read_slots=plan.row_slots, write_slots=meta.write_slots, out_pool=conv_pool,
                                    chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
-    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool, norm=None):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         plan, idx = self.plan(meta), self.prepare(meta)
         buffer = self.buffer("recurrent", meta.num_seqs, state_pool)
 
@@ -140,7 +140,7 @@ class GatheredOps(TritonOps):
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, out_pool=state_pool,
                                               chunk_indices=idx.chunks, chunk_offsets=idx.chunk_offsets,
-                                              phases=meta.phases, start_states=start_states, norm=norm)
+                                              phases=meta.phases, start_states=start_states)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         pages, row_table = self.page_plan(meta, key_pages.shape[1])

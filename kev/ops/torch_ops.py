@@ -41,7 +41,7 @@ class TorchOps(ReferenceElementwise):
                 conv_pool[write] = full[:, full.shape[1] - (W - 1):].to(conv_pool.dtype).detach()
         return channel_blocks(y, split, out)
 
-    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool, norm=None):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         HV, K = v.shape[1], q.shape[2]
         g, beta = gates.values()
         group = HV // q.shape[1]
@@ -57,8 +57,7 @@ class TorchOps(ReferenceElementwise):
             out[s:e] = o
             if write >= 0:
                 state_pool[write] = final.detach()
-        out = out.to(v.dtype)
-        return out if norm is None else self.gated_rms_norm(out, *norm)
+        return out.to(v.dtype)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         return gated_output(paged_attention_reference(q, k, v, meta, key_pages, value_pages), gate, out)

@@ -24,13 +24,12 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
 from kev.ops.attention.paged_prefix import paged_prefix_attention, paged_store, query_block, split_mode
 from kev.ops.conv.indexed_conv import CONV_CHUNK, indexed_causal_conv
 from kev.ops.delta_rule.indexed_scan import CHUNK, indexed_chunk_gated_delta_rule
-from kev.ops.fused import activations, gate_up, norms
+from kev.ops.fused import activations, norms
 from kev.ops.gates import DeltaGates
 from kev.ops.meta import PassMeta
 
@@ -67,14 +66,6 @@ class TritonOps:
     gated_rms_norm = staticmethod(norms.gated_rms_norm)
     silu_mul = staticmethod(activations.silu_mul)
 
-    @staticmethod
-    def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One GEMM with silu_mul in its store (kev/ops/fused/gate_up.py) when `gate_up.on` and TMA
-        can address the tensors, else cuBLAS's GEMM then the silu_mul kernel."""
-        if gate_up.on and gate_up.supports(x, weight):
-            return gate_up.gate_up_silu(x, weight)
-        return activations.silu_mul(*F.linear(x, weight).chunk(2, dim=-1))
-
     def __init__(self) -> None:
         self._indices: weakref.WeakKeyDictionary[PassMeta, PassIndices] = weakref.WeakKeyDictionary()
 
@@ -98,12 +89,12 @@ class TritonOps:
                                    read_slots=meta.read_slots, write_slots=meta.write_slots,
                                    chunk_indices=self.prepare(meta).chunks, split=split, out=out)
 
-    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool, norm=None):
+    def gated_delta_rule(self, q, k, v, gates: DeltaGates, meta: PassMeta, state_pool):
         idx = self.prepare(meta)
         return indexed_chunk_gated_delta_rule(q=q, k=k, v=v, gates=gates, cu_seqlens=meta.cu_seqlens,
                                               state_pool=state_pool, read_slots=meta.read_slots,
                                               write_slots=meta.write_slots, chunk_indices=idx.chunks,
-                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases, norm=norm)
+                                              chunk_offsets=idx.chunk_offsets, phases=meta.phases)
 
     def attention(self, q, k, v, meta: PassMeta, key_pages, value_pages, gate=None, out=None):
         chunks = self.prepare(meta).attention_chunks(meta.cu_seqlens, query_block(q.shape[1] // k.shape[1]))

@@ -154,81 +154,6 @@ def test_empty_and_bad_shapes(interp):
         act.silu_mul(torch.zeros(5, 8), torch.zeros(5, 7))
 
 
-# ---- the gate/up GEMM with silu_mul in its store (kev/ops/fused/gate_up.py) ----
-
-GATE_UP_SMALL = dict(BM=16, BN=16, BK=16, GROUP_M=2, num_warps=4, num_stages=1)  # interpreter-sized tiles
-
-
-@pytest.mark.parametrize("T", (1, 37, 70), ids=lambda t: f"T={t}")
-def test_gate_up_silu_matches_reference(interp, poisoned, T):
-    """Against F.linear then silu_mul (what it replaces) and a float64 silu(x Wg) * (x Wu), on T, K and
-    F that leave partial tiles in every dimension; 4 persistent programs over more tiles than that,
-    in groups that end short. fp32 only: the interpreter's bf16 dots are not the GPU's (the GPU
-    suite checks bf16 at Kev-4B's shapes: tests/ops/test_kernels_gpu.py)."""
-    dtype = torch.float32
-    g = torch.Generator().manual_seed(200 + T)
-    K, F = 40, 56
-    x = torch.randn(T, K, generator=g).to(dtype)
-    w = (torch.randn(2 * F, K, generator=g) * 0.3).to(dtype)
-    y = interp.gate_up.gate_up_silu(x, w, interp.gate_up.GateUpConfig(**GATE_UP_SMALL), programs=4)
-    gate, up = torch.nn.functional.linear(x, w).split(F, dim=-1)
-    check("gate_up_silu vs linear + silu_mul", reference.silu_mul(gate, up), y, dtype)
-    g64, u64 = (x.double() @ w.double().T).split(F, dim=-1)
-    check("gate_up_silu vs float64", torch.nn.functional.silu(g64) * u64, y.double(), torch.float32)
-    again = interp.gate_up.gate_up_silu(x, w, interp.gate_up.GateUpConfig(**GATE_UP_SMALL), programs=3)
-    assert torch.equal(y, again), "the grid's size changed the bits"
-
-
-def test_gate_up_silu_bad_inputs(interp):
-    gu = interp.gate_up
-    assert gu.gate_up_silu(torch.zeros(0, 8), torch.zeros(16, 8)).shape == (0, 8)
-    with pytest.raises(ValueError, match=r"\[2F, K\]"):
-        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(15, 8))  # odd rows: no gate/up halves
-    with pytest.raises(ValueError, match=r"\[2F, K\]"):
-        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(16, 9))
-    with pytest.raises(ValueError, match="dtype"):
-        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(16, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="contiguous"):
-        gu.gate_up_silu(torch.zeros(4, 8), torch.zeros(8, 16).t())
-    with pytest.raises(ValueError, match="16-byte"):
-        gu.gate_up_silu(torch.zeros(4, 6), torch.zeros(16, 6))  # 24-byte rows
-    assert not gu.supports(torch.zeros(4, 9)[:, :8], torch.zeros(16, 8))  # x's rows 36 bytes apart
-    assert gu.supports(torch.zeros(4, 12)[:, :8], torch.zeros(16, 8))
-
-
-def test_mlp_runs_the_fused_gate_up_when_on(interp, monkeypatch):
-    """The model's MLP through interpreted TritonOps: with `gate_up.on` the fused kernel runs (and
-    only then), and the layer's output matches the unfused path; a shape TMA cannot address falls
-    back to the unfused path."""
-    from kev.model.qwen35 import MLP
-    from random_models import tiny_config
-
-    cfg = tiny_config(hv_per_h=2)
-    g = torch.Generator().manual_seed(9)
-    mlp = MLP(cfg)
-    for p in mlp.parameters():
-        p.data = torch.randn(p.shape, generator=g) * 0.2
-    mlp.fuse_projections()
-    x = torch.randn(23, cfg.hidden_size, generator=g)
-    ops = interp.triton_ops.TritonOps()
-    calls = []
-    kernel = interp.gate_up.gate_up_silu
-    monkeypatch.setattr(interp.gate_up, "gate_up_silu", lambda *a, **k: calls.append(1) or kernel(
-        *a, config=interp.gate_up.GateUpConfig(**GATE_UP_SMALL), **k))
-    off = mlp(x, ops)
-    assert calls == []
-    monkeypatch.setattr(interp.gate_up, "on", True)
-    on = mlp(x, ops)
-    assert calls == [1]
-    err = rel_err(off, on)
-    assert err <= 1e-5, err
-    skewed = torch.zeros(23, cfg.hidden_size + 1)[:, :cfg.hidden_size]  # rows 4 (hidden + 1) bytes apart
-    skewed.copy_(x)
-    assert not interp.gate_up.supports(skewed, mlp.fused.weight)
-    assert torch.equal(mlp(skewed, ops), off)  # the unfused path, bit for bit
-    assert calls == [1]
-
-
 # ---- fused projections ----
 
 def tiny_model(seed=4, dtype=torch.float32):
@@ -313,14 +238,13 @@ def compiled_modules():
 
 
 def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
-    """The token count (1..64) changes no compile key of any fused kernel (the gate/up GEMM's
-    persistent grid size included)."""
+    """The token count (1..64) changes no compile key of any fused kernel."""
     from triton import knobs
     from triton.runtime.driver import driver
 
-    n, act, gu_gemm = compiled_modules.norms, compiled_modules.activations, compiled_modules.gate_up
+    n, act = compiled_modules.norms, compiled_modules.activations
     kernels = [n.rms_norm_fwd_kernel, n.gated_rms_norm_fwd_kernel, act.silu_mul_fwd_kernel,
-               act.sigmoid_mul_fwd_kernel, gu_gemm.gate_up_silu_kernel]
+               act.sigmoid_mul_fwd_kernel]
     for kern in kernels:
         monkeypatch.setattr(kern, "device_caches", defaultdict(kern.create_binder))
     monkeypatch.setattr(driver, "_active", FakeHopper())
@@ -343,9 +267,7 @@ def test_compile_count_fused_kernels(compiled_modules, monkeypatch):
         gu = torch.randn(T, 2 * F)
         act.silu_mul(gu[:, :F], gu[:, F:])
         act.sigmoid_mul(torch.randn(T, H, D), qg[..., D:])
-        gu_gemm.gate_up_silu(hidden, torch.randn(2 * F, d), gu_gemm.GateUpConfig(**GATE_UP_SMALL),
-                             programs=T)  # the persistent grid's size varies with T: 1 .. 24 programs
     counts = {name: len(k) for name, k in keys.items()}
     # rms_norm_fwd_kernel: plain, residual and RoPE variants (constexpr flags); one key each
     assert counts == {"rms_norm_fwd_kernel": 3, "gated_rms_norm_fwd_kernel": 1, "silu_mul_fwd_kernel": 1,
-                      "sigmoid_mul_fwd_kernel": 1, "gate_up_silu_kernel": 1}, counts
+                      "sigmoid_mul_fwd_kernel": 1}, counts

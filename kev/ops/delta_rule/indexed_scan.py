@@ -29,14 +29,10 @@ import triton
 import triton.language as tl
 from fla.ops.common.chunk_o import chunk_fwd_o
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-from kev.ops.delta_rule import chunk_o, kkt_solve
 from kev.ops.delta_rule.chunk_steps import chunk_outputs, next_state, slot_state, write_slot_state
 from kev.ops.delta_rule.prep import CHUNK, delta_rule_inputs
-from kev.ops.fused.norms import gated_rms_norm
-from kev.ops.fused.reference import GatedNorm
 from kev.ops.gates import DeltaGates
 from kev.ops.pdl import launch_options, wait_for_previous
 from kev.ops.utils import preserve_written_slots, shape_class
@@ -232,7 +228,6 @@ def indexed_chunk_gated_delta_rule(
     scan_config: triton.Config | None = None,
     phases: Sequence[int] = (),
     start_states: StartStates | None = None,
-    norm: GatedNorm | None = None,
 ) -> torch.Tensor:
     """Varlen chunked gated delta rule whose sequences start from (and end in) bank slots by index.
 
@@ -255,9 +250,7 @@ def indexed_chunk_gated_delta_rule(
     start_states:  (n0, n1) -> (pool, read slots) that sequences [n0, n1) start from, called right
                    before their state pass (the gathered variant copies the states there); default
                    state_pool and read_slots[n0:n1]
-    norm:          the output norm to apply (z, weight, eps): fused into the output kernel when
-                   `chunk_o.on` (kev/ops/delta_rule/chunk_o.py), else `gated_rms_norm` after it
-    Returns o: [T, HV, V] in v's dtype (normed when `norm` is given).
+    Returns o: [T, HV, V] in v's dtype.
     """
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, K], v {tuple(v.shape)} [T, HV, V]")
@@ -282,14 +275,8 @@ def indexed_chunk_gated_delta_rule(
     # fla's WY recompute reads [T, HV, V] contiguous: the model's v already is (the conv writes it
     # as a block of its own, kev/ops/conv/indexed_conv.py); any other caller's v is copied here.
     v = v.contiguous()
-    if kkt_solve.on:  # our (I + A)^-1 (one program a key head), then fla's WY recompute
-        a_inv = kkt_solve.kkt_solve(k, g_cum[0], beta, cu_seqlens, chunk_indices)
-        w, u = recompute_w_u_fwd(k=k[None], v=v[None], beta=beta[None], A=a_inv[None], g=g_cum,
-                                 cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    else:
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
-                                                   cu_seqlens=cu_seqlens, chunk_size=CHUNK,
-                                                   chunk_indices=chunk_indices)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k[None], v=v[None], g=g_cum, beta=beta[None],
+                                               cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
     N = read_slots.shape[0]
     counts = tuple(phases) or (N,)
     if sum(counts) != N or min(counts) < 0:
@@ -306,8 +293,6 @@ def indexed_chunk_gated_delta_rule(
                      read, write_slots[n0:n1], out_pool=out_pool,
                      config=scan_config, h=h, v_new=v_new)
         n0 = n1
-    if norm is not None and chunk_o.on:
-        return chunk_o.chunk_o_norm(q, k, v_new, h, g_cum[0], scale, cu_seqlens, chunk_indices, norm, chunk=CHUNK)
     o = chunk_fwd_o(q=q[None], k=k[None], v=v_new[None], h=h[None], g=g_cum, scale=scale,
-                    cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)[0]
-    return o if norm is None else gated_rms_norm(o, *norm)
+                    cu_seqlens=cu_seqlens, chunk_size=CHUNK, chunk_indices=chunk_indices)
+    return o[0]

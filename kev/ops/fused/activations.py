@@ -42,15 +42,6 @@ def times_sigmoid(b_x, b_g, DT: tl.constexpr):
     return (b_x * b_s).to(DT)
 
 
-@triton.jit
-def silu_times(b_g, b_u, DT: tl.constexpr):
-    """silu(gate) * up in DT, gate and up fp32 tiles holding DT values, with the reference's roundings
-    (`silu_mul` here; fused into the gate/up GEMM's store: kev/ops/fused/gate_up.py)."""
-    b_d = round_to(1.0 + round_to(tl.exp(-b_g), DT), DT)
-    b_s = round_to(tl.math.div_rn(b_g, b_d), DT)  # silu(gate) in gate's dtype
-    return (b_s * b_u).to(DT)
-
-
 @triton.jit(do_not_specialize=["T"])
 def silu_mul_fwd_kernel(
     gate, up,  # [T, C] through row strides, unit stride over C
@@ -67,7 +58,9 @@ def silu_mul_fwd_kernel(
     DT: tl.constexpr = y.dtype.element_ty
     b_g = tl.load(gate + o_t[:, None] * stride_g_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BC]
     b_u = tl.load(up + o_t[:, None] * stride_u_t + o_c[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(y + o_t[:, None] * C + o_c[None, :], silu_times(b_g, b_u, DT), mask=m)
+    b_d = round_to(1.0 + round_to(tl.exp(-b_g), DT), DT)
+    b_s = round_to(tl.math.div_rn(b_g, b_d), DT)  # silu(gate) in gate's dtype
+    tl.store(y + o_t[:, None] * C + o_c[None, :], (b_s * b_u).to(DT), mask=m)
 
 
 @triton.jit(do_not_specialize=["T"])

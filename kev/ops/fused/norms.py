@@ -103,25 +103,16 @@ def gated_rms_norm_fwd_kernel(
     DT: tl.constexpr = y.dtype.element_ty
     b_x = tl.load(x + o_t[:, None] * stride_x_t + o_h[:, None] * stride_x_h + o_d[None, :], mask=m,
                   other=0.0).to(tl.float32)  # [BR, BD]
-    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_z = tl.load(z + o_t[:, None] * stride_z_t + o_h[:, None] * stride_z_h + o_d[None, :], mask=m,
-                  other=0.0).to(tl.float32)
-    tl.store(y + o_r[:, None].to(tl.int64) * D + o_d[None, :], gated_norm_rows(b_x, b_z, b_w, eps, D, DT, ROUND_W),
-             mask=m)
-
-
-@triton.jit
-def gated_norm_rows(b_x, b_z, b_w, eps, D: tl.constexpr, DT: tl.constexpr, ROUND_W: tl.constexpr):
-    """rms_norm(x) * weight * silu(z) of [rows, BD] fp32 tiles holding DT values (zeros past D), with
-    the reference's roundings; in DT. Here and in the delta rule's output store
-    (kev/ops/delta_rule/chunk_o.py)."""
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_n = (b_x * b_rstd[:, None]).to(DT).to(tl.float32)
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_hw = b_w[None, :] * b_n
     if ROUND_W:
         b_hw = b_hw.to(DT).to(tl.float32)
+    b_z = tl.load(z + o_t[:, None] * stride_z_t + o_h[:, None] * stride_z_h + o_d[None, :], mask=m,
+                  other=0.0).to(tl.float32)
     b_sz = tl.math.div_rn(b_z, 1.0 + tl.exp(-b_z))  # silu in fp32
-    return (b_hw * b_sz).to(DT)
+    tl.store(y + o_r[:, None].to(tl.int64) * D + o_d[None, :], (b_hw * b_sz).to(DT), mask=m)
 
 
 def _as_rows(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int]:

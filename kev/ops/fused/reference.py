@@ -9,8 +9,6 @@ to a few ulps, not bit for bit.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from kev.ops.invariant import sigmoid, silu, softplus
@@ -55,24 +53,9 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return _written((h * silu(z.float())).to(x.dtype), out)
 
 
-class GatedNorm(NamedTuple):
-    """The DeltaNet output norm the delta rule's output goes through (`gated_rms_norm`'s arguments
-    after x): the GPU ops fuse it into the delta rule's output kernel."""
-
-    z: torch.Tensor  # [T, HV, V] gate (a strided column view of the fused projection is fine)
-    weight: torch.Tensor  # [V]
-    eps: float
-
-
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The MLP's silu(gate) * up."""
     return silu(gate) * up
-
-
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's silu(x Wg) * (x Wu), weight [2F, K] the gate rows then the up rows: one GEMM, then
-    silu_mul on its column views."""
-    return silu_mul(*torch.nn.functional.linear(x, weight).chunk(2, dim=-1))
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,4 +89,3 @@ class ReferenceElementwise:
     rms_norm_rope = staticmethod(rms_norm_rope)
     gated_rms_norm = staticmethod(gated_rms_norm)
     silu_mul = staticmethod(silu_mul)
-    gate_up_silu = staticmethod(gate_up_silu)
