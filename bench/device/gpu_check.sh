@@ -21,7 +21,7 @@
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh tests-c          # tests-b without its kernels (tests-b = kernels + tests-c)
 #     KEV_TESTS="tests/a.py::test_x tests/b.py" KEV_COMMIT=<sha> bash bench/device/gpu_check.sh named  # those tests only
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh kernels-ratios   # test_kernels_gpu.py at head ratios 2 and 3
-#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh ncu-delta        # Nsight Compute on one DeltaNet layer's kernels
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh ncu-delta        # Nsight Compute on one layer's non-GEMM kernels
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -119,8 +119,8 @@ for what in "${@:-tests perf}"; do
                     --out "$OUT/load_shapes/kernel_floors_six-short.json"
                 step kernel_floors_six-short_rows 120 python3 -m bench.kernel_floors --seqs 63 --seq-tokens 32 --rows \
                     --out "$OUT/load_shapes/kernel_floors_six-short_rows.json" ;;
-            ncu-delta)  # Nsight Compute's counters (occupancy, stall reasons, bandwidth) for one DeltaNet layer's
-                # non-GEMM kernels at 16 x 2,048 tokens (bench/ncu_delta_rule.py); the clocks left alone
+            ncu-delta)  # Nsight Compute's counters (occupancy, stall reasons, bandwidth) for one layer's non-GEMM
+                # kernels, bench.kernel_floors' cases, at 16 x 2,048 tokens (bench/ncu_delta_rule.py); clocks left alone
                 ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
                 step ncu_delta_rule "${KEV_LIMIT_NCU:-240}" "${ncu_bin:-ncu}" --profile-from-start off --clock-control none \
                     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
