@@ -22,6 +22,7 @@
 #     KEV_TESTS="tests/a.py::test_x tests/b.py" KEV_COMMIT=<sha> bash bench/device/gpu_check.sh named  # those tests only
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh kernels-ratios   # test_kernels_gpu.py at head ratios 2 and 3
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh ncu-delta        # Nsight Compute on one layer's non-GEMM kernels
+#     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh pass-configs     # each config timed inside the pass (power limit)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the device output folder}"
@@ -126,7 +127,15 @@ for what in "${@:-tests perf}"; do
                     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                     --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page details \
                     --log-file "$OUT/ncu_delta_rule.csv" python3 -m bench.ncu_delta_rule ;;
-            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, ncu-delta)"
+            pass-configs)  # every config of the scan, fla's KK^T + solve and the conv, each pinned in turn and
+                # timed inside the whole 8 x 2,048 state pass after 3 s at the power limit (bench/pass_configs.py)
+                step pass_configs "${KEV_LIMIT_PASS_CONFIGS:-330}" python3 -m bench.pass_configs \
+                    --kernels "${KEV_PASS_KERNELS:-indexed_scan,kkt_solve,indexed_conv}" --out "$OUT/pass_configs.json" ;;
+            pass-configs-rows)  # the same inside a row pass: 64 rows of 32 tokens over 8 documents of 512
+                step pass_configs_rows "${KEV_LIMIT_PASS_CONFIGS:-330}" python3 -m bench.pass_configs --pass rows \
+                    --rows 64 --row-tokens 32 --doc-tokens 512 \
+                    --kernels "${KEV_PASS_KERNELS:-indexed_scan,kkt_solve,indexed_conv}" --out "$OUT/pass_configs_rows.json" ;;
+            *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, ncu-delta, pass-configs, pass-configs-rows)"
                exit 2 ;;
         esac
     done

@@ -341,6 +341,22 @@ class ClassTuner:
         """Name -> the configs `cls`'s cache holds (for logs and the config map)."""
         return {name: [str(c) for c in cache.values()] for name, cache in self.caches(cls).items()}
 
+    @contextmanager
+    def pinned(self, cls: ShapeClass, name: str, config: Config) -> Iterator[None]:
+        """Inside, kernel `name` runs `config` for every key `cls` tuned (benchmarks: one config
+        timed inside the whole pass); `cls`'s own picks come back after. A key `cls` never tuned
+        stays unpinned."""
+        with _SWAP_LOCK:
+            cache = self.caches(cls)[name]
+            saved = dict(dict.items(cache))  # the stored (class) keys, not re-keyed by ClassCache
+            try:
+                for key in saved:
+                    dict.__setitem__(cache, key, config)
+                yield
+            finally:
+                dict.clear(cache)
+                dict.update(cache, saved)
+
 
 def serving_tuner() -> ClassTuner:
     """The tuner of a serving process (and of the benchmarks that measure one): every hot kernel,

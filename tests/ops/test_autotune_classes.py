@@ -318,6 +318,30 @@ def test_class_pick_minimises_the_total_over_its_shapes(stub3):
     assert bench.calls == 6 and launch.launches[-3:] == [32, 32, 32]
 
 
+def test_a_pinned_config_runs_for_every_key_of_its_class_then_the_pick_comes_back(stub3):
+    at, launch, bench = stub3
+    tuner = ClassTuner({"stub": at})
+    tuner.tune(ShapeClass.ROWS_FEW, [shape_pass(at, bench, SMALL), shape_pass(at, bench, LARGE)])
+    tuner.tune(ShapeClass.ROWS_MID, [shape_pass(at, bench, WIDE_A)])
+    before = {cls: tuner.chosen(cls) for cls in (ShapeClass.ROWS_FEW, ShapeClass.ROWS_MID)}
+    sixteen = next(c for c in at.configs if c.kwargs["BLOCK"] == 16)
+    with tuner.pinned(ShapeClass.ROWS_FEW, "stub", sixteen):
+        with tuner.use(ShapeClass.ROWS_FEW):  # any own bucket of the class: the pinned config, no tuning
+            shape_pass(at, bench, SMALL)()
+            shape_pass(at, bench, LARGE)()
+            call(at, bench, 1, 16)
+        with tuner.use(ShapeClass.ROWS_MID):  # another class keeps its own pick
+            shape_pass(at, bench, WIDE_A)()
+    assert launch.launches[-4:] == [16, 16, 16, 64] and bench.calls == 9, "tuned only by the two `tune`s"
+    assert {cls: tuner.chosen(cls) for cls in before} == before
+    with pytest.raises(RuntimeError), tuner.pinned(ShapeClass.ROWS_FEW, "stub", sixteen):
+        raise RuntimeError("a failed launch inside")
+    assert tuner.chosen(ShapeClass.ROWS_FEW) == before[ShapeClass.ROWS_FEW]
+    with tuner.use(ShapeClass.ROWS_FEW):
+        shape_pass(at, bench, SMALL)()
+    assert launch.launches[-1] == 32
+
+
 def test_a_kernel_the_class_never_launches_needs_no_config(stub3, stub):
     at, launch, bench = stub3
     unused = stub[0]  # e.g. the delta-rule path a class does not take
