@@ -101,6 +101,35 @@ def test_conv_split_output_is_the_same_values_in_two_contiguous_blocks(interp, s
         interp.conv.indexed_causal_conv(x=x, conv_pool=pool, split=C + 1, **kw)
 
 
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_conv_rolling_configs_give_the_tile_configs_bits(interp, case):
+    """A ROLL config (a row at a time, the window's earlier rows carried) stores the very bits of the
+    tile steps, in both output blocks, with the same final conv states: channel blocks of 16 and 32
+    over 40 channels (a partial block), the split inside a block, rows of 1-65 tokens (one and two
+    chunks, shorter than the window), read == write slots. Kernel size 4 only: the autotuner drops
+    ROLL configs for any other."""
+    lens, read, write = CASES[case]
+    g = torch.Generator().manual_seed(7 + len(lens))
+    C, W, S = 40, 4, 6
+    x = torch.randn(sum(lens), C + 8, generator=g).bfloat16()[:, 8:]
+    weight = torch.randn(C, W, generator=g).bfloat16()
+    _, pool = strided_pool(g, (S, C, W - 1))
+    start = pool.bfloat16()
+    kw = dict(x=x, weight=weight, cu_seqlens=packed(lens), read_slots=torch.tensor(read),
+              write_slots=torch.tensor(write), split=24)
+    tile_pool = start.clone()
+    tile = interp.conv.indexed_causal_conv(conv_pool=tile_pool, config=triton.Config({"BC": 16, "BS": 16}), **kw)
+    for BC in (16, 32):
+        roll_pool = start.clone()
+        roll = interp.conv.indexed_causal_conv(conv_pool=roll_pool, **kw,
+                                               config=triton.Config({"BC": BC, "BS": 1, "ROLL": True}))
+        assert torch.equal(roll[0], tile[0]) and torch.equal(roll[1], tile[1]), f"BC {BC}"
+        assert torch.equal(roll_pool, tile_pool), f"BC {BC}: final conv states"
+    rolling = [c for c in interp.conv.CONV_CONFIGS_ALL if c.kwargs.get("ROLL")]
+    assert rolling and interp.conv._rolling_needs_four_taps(rolling, {}, W=4) == rolling
+    assert interp.conv._rolling_needs_four_taps(rolling, {}, W=3) == []
+
+
 def scan_reference(k, w, u, g, lens, h0s):
     """The state pass in plain torch (fp64): per sequence and chunk of 64, what the h kernel computes."""
     hs, v_new, finals = [], torch.empty(u.shape, dtype=torch.float64), []

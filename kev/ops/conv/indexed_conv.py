@@ -34,13 +34,104 @@ CONV_CHUNK = 64  # tokens per program: the same chunking as the delta rule, so o
 
 # BS tokens per inner step keep the register tile small: a [64, BC] fp32 tile per tap spilled
 # (255 registers, 1.2 KB of stack at BC 128) and ran ~10x slower than the memory traffic allows.
-# Every config computes each output element with the same maths: all are bit-identical.
+# The tile steps load every input row once per tap (W loads of [BS, BC], each with its own pointers
+# and masks): 34 SASS instructions an output element at BC 64, BS 64 (sm_90), enough that Nsight
+# Compute found the kernel issue-bound beside its DRAM traffic (66% SM, 68% DRAM, H100, session 36)
+# and 11% slower in the power-limited pass than alone. ROLL configs (kernel size 4 only) walk the
+# chunk four rows a step and carry the window's three earlier rows in registers: each input row is
+# loaded once, 21-23 instructions an element (compiled for sm_90 on the CPU; not timed yet). Every
+# config computes each output element with the same maths in the same order (the taps accumulated
+# from zero, tap 0 first, then silu): all are bit-identical.
 CONV_CONFIGS = [
     triton.Config({"BC": BC, "BS": BS}, num_warps=num_warps)
     for BC, BS, num_warps in [(128, 32, 4), (256, 16, 4), (256, 32, 8), (64, 64, 4), (512, 16, 8), (128, 16, 2)]
+] + [
+    triton.Config({"BC": BC, "BS": 1, "ROLL": True}, num_warps=num_warps)  # BS unused
+    for BC, num_warps in [(256, 1), (512, 2), (1024, 4), (512, 4)]  # 8 inputs (16 bytes) a thread a row, then 4
 ]
+CONV_CONFIGS_ALL = CONV_CONFIGS  # every config, also under the interpreter (tests run them by name)
 if triton.knobs.runtime.interpret:  # the autotuner cannot benchmark without a GPU: pin one config
     CONV_CONFIGS = CONV_CONFIGS[:1]
+
+
+def _rolling_needs_four_taps(configs, named_args, **kwargs):
+    """ROLL configs hold a window of exactly three earlier rows: kernel size 4 (Qwen3.5's) only."""
+    return [c for c in configs if kwargs["W"] == 4 or not c.kwargs.get("ROLL", False)]
+
+
+@triton.jit
+def _tile_rows(p_x, weight, p_head, p_tail, o_c, m_c, m_head, m_tail, t0, n_tok, n_head, SPLIT, C,
+               stride_x_t, stride_x_c, stride_w_c, stride_w_w, W: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
+    """The chunk's outputs in steps of BS rows, each tap's inputs loaded as one [BS, BC] tile. Rows
+    before the sequence's start read as zeros; the outputs that read them (s < n_head) are the head
+    step's and are not stored here."""
+    for s0 in range(0, n_tok, BS):
+        o_s = s0 + tl.arange(0, BS)  # [BS] token inside the chunk
+        m_s = o_s < n_tok
+        b_y = tl.zeros([BS, BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+            o_p = o_s - (W - 1) + j  # [BS] input token inside the chunk (< 0: the previous chunk)
+            m_x = m_s & (t0 + o_p >= 0)
+            b_x = tl.load(p_x + o_p[:, None] * stride_x_t + o_c[None, :] * stride_x_c,
+                          mask=m_x[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BS, BC]
+            b_y += b_x * b_w[None, :]
+        b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
+        m_y = m_s & (o_s >= n_head)
+        b_y = b_y.to(p_head.dtype.element_ty)
+        tl.store(p_head[None, :] + o_s[:, None] * SPLIT, b_y, mask=m_y[:, None] & m_head[None, :])
+        tl.store(p_tail[None, :] + o_s[:, None] * (C - SPLIT), b_y, mask=m_y[:, None] & m_tail[None, :])
+
+
+@triton.jit
+def _tap_sum(b_a, b_b, b_c, b_d, b_w0, b_w1, b_w2, b_w3):
+    """silu of one output row from its four input rows, oldest first: `_tile_rows`' sum in its order
+    (from zero, tap 0 first) and its silu, so the same bits."""
+    b_y = tl.zeros_like(b_w0)
+    b_y += b_a * b_w0
+    b_y += b_b * b_w1
+    b_y += b_c * b_w2
+    b_y += b_d * b_w3
+    return b_y / (1.0 + tl.exp(-b_y))  # silu
+
+
+@triton.jit
+def _rolling_rows(p_x, weight, p_head, p_tail, o_c, m_c, m_head, m_tail, t0, n_tok, n_head, SPLIT, C,
+                  stride_x_t, stride_x_c, stride_w_c, stride_w_w, W: tl.constexpr):
+    """The chunk's outputs four rows a step (ROLL configs): each input row is loaded once, the
+    window's three rows before a step carried in registers. Rows before the sequence's start read as
+    zeros, as in `_tile_rows`; rows past the chunk's end are neither read nor stored."""
+    tl.static_assert(W == 4, "the rolling window holds the three rows before the current one")
+    DT: tl.constexpr = p_head.dtype.element_ty
+    b_w0 = tl.load(weight + o_c * stride_w_c, mask=m_c, other=0.0).to(tl.float32)
+    b_w1 = tl.load(weight + o_c * stride_w_c + stride_w_w, mask=m_c, other=0.0).to(tl.float32)
+    b_w2 = tl.load(weight + o_c * stride_w_c + 2 * stride_w_w, mask=m_c, other=0.0).to(tl.float32)
+    b_w3 = tl.load(weight + o_c * stride_w_c + 3 * stride_w_w, mask=m_c, other=0.0).to(tl.float32)
+    p_row = p_x + o_c * stride_x_c  # [BC] the chunk's first row
+    b_x3 = tl.load(p_row - 3 * stride_x_t, mask=m_c & (t0 >= 3), other=0.0).to(tl.float32)
+    b_x2 = tl.load(p_row - 2 * stride_x_t, mask=m_c & (t0 >= 2), other=0.0).to(tl.float32)
+    b_x1 = tl.load(p_row - stride_x_t, mask=m_c & (t0 >= 1), other=0.0).to(tl.float32)
+    for s in range(0, n_tok, 4):
+        b_a = tl.load(p_row + s * stride_x_t, mask=m_c, other=0.0).to(tl.float32)  # s < n_tok
+        b_b = tl.load(p_row + (s + 1) * stride_x_t, mask=m_c & (s + 1 < n_tok), other=0.0).to(tl.float32)
+        b_c = tl.load(p_row + (s + 2) * stride_x_t, mask=m_c & (s + 2 < n_tok), other=0.0).to(tl.float32)
+        b_d = tl.load(p_row + (s + 3) * stride_x_t, mask=m_c & (s + 3 < n_tok), other=0.0).to(tl.float32)
+        b_y = _tap_sum(b_x3, b_x2, b_x1, b_a, b_w0, b_w1, b_w2, b_w3).to(DT)
+        tl.store(p_head + s * SPLIT, b_y, mask=m_head & (s >= n_head))
+        tl.store(p_tail + s * (C - SPLIT), b_y, mask=m_tail & (s >= n_head))
+        b_y = _tap_sum(b_x2, b_x1, b_a, b_b, b_w0, b_w1, b_w2, b_w3).to(DT)
+        keep = (s + 1 >= n_head) & (s + 1 < n_tok)
+        tl.store(p_head + (s + 1) * SPLIT, b_y, mask=m_head & keep)
+        tl.store(p_tail + (s + 1) * (C - SPLIT), b_y, mask=m_tail & keep)
+        b_y = _tap_sum(b_x1, b_a, b_b, b_c, b_w0, b_w1, b_w2, b_w3).to(DT)
+        keep = (s + 2 >= n_head) & (s + 2 < n_tok)
+        tl.store(p_head + (s + 2) * SPLIT, b_y, mask=m_head & keep)
+        tl.store(p_tail + (s + 2) * (C - SPLIT), b_y, mask=m_tail & keep)
+        b_y = _tap_sum(b_a, b_b, b_c, b_d, b_w0, b_w1, b_w2, b_w3).to(DT)
+        keep = (s + 3 >= n_head) & (s + 3 < n_tok)
+        tl.store(p_head + (s + 3) * SPLIT, b_y, mask=m_head & keep)
+        tl.store(p_tail + (s + 3) * (C - SPLIT), b_y, mask=m_tail & keep)
+        b_x3, b_x2, b_x1 = b_b, b_c, b_d
 
 
 @triton.jit(do_not_specialize=["N_CLASS", "T_CLASS"])
@@ -68,6 +159,7 @@ def indexed_conv_fwd_kernel(
     BT: tl.constexpr,  # tokens per chunk (one program)
     BS: tl.constexpr,  # tokens per inner step
     BC: tl.constexpr,
+    ROLL: tl.constexpr = False,  # four rows a step, the window's earlier rows in registers (W == 4)
     USE_PDL: tl.constexpr = False,  # kev/ops/pdl.py
 ):
     wait_for_previous(USE_PDL)  # nothing read or written before the kernel before it is done
@@ -88,45 +180,39 @@ def indexed_conv_fwd_kernel(
     # The sequence's first W-1 outputs also read its start state: the head step below owns them.
     n_head = tl.where(i_t == 0, W - 1, 0)
 
-    for s0 in range(0, n_tok, BS):
-        o_s = s0 + tl.arange(0, BS)  # [BS] token inside the chunk
-        m_s = o_s < n_tok
-        b_y = tl.zeros([BS, BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-            o_p = o_s - (W - 1) + j  # [BS] input token inside the chunk (< 0: the previous chunk)
-            m_x = m_s & (t0 + o_p >= 0)
-            b_x = tl.load(p_x + o_p[:, None] * stride_x_t + o_c[None, :] * stride_x_c,
-                          mask=m_x[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [BS, BC]
-            b_y += b_x * b_w[None, :]
-        b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
-        m_y = m_s & (o_s >= n_head)
-        b_y = b_y.to(y.dtype.element_ty)
-        tl.store(p_head[None, :] + o_s[:, None] * SPLIT, b_y, mask=m_y[:, None] & m_head[None, :])
-        tl.store(p_tail[None, :] + o_s[:, None] * (C - SPLIT), b_y, mask=m_y[:, None] & m_tail[None, :])
+    if ROLL:
+        _rolling_rows(p_x, weight, p_head, p_tail, o_c, m_c, m_head, m_tail, t0, n_tok, n_head, SPLIT, C,
+                      stride_x_t, stride_x_c, stride_w_c, stride_w_w, W)
+    else:
+        _tile_rows(p_x, weight, p_head, p_tail, o_c, m_c, m_head, m_tail, t0, n_tok, n_head, SPLIT, C,
+                   stride_x_t, stride_x_c, stride_w_c, stride_w_w, W, BS, BC)
 
     b_read = tl.load(read_slots + i_n).to(tl.int64)
     p_start = conv_pool + tl.maximum(b_read, 0) * stride_p_s + o_c * stride_p_c  # [BC]
     if i_t == 0:
-        # head: the first W-1 outputs, whose window reaches into the start state
-        o_w = tl.arange(0, WP)
-        m_h = (o_w < W - 1) & (o_w < L)
-        b_y = tl.zeros([WP, BC], dtype=tl.float32)
-        for j in tl.static_range(W):
-            b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
-            pos = o_w - (W - 1) + j  # [WP] input position inside the sequence; < 0 lies in the start state
-            b_x = tl.load(p_x + pos[:, None] * stride_x_t + o_c[None, :] * stride_x_c,
-                          mask=(m_h & (pos >= 0))[:, None] & m_c[None, :], other=0.0).to(tl.float32)  # [WP, BC]
-            m_s = m_h & (pos < 0) & (b_read >= 0)
-            b_s = tl.load(p_start[None, :] + (pos + W - 1)[:, None] * stride_p_w, mask=m_s[:, None] & m_c[None, :],
-                          other=0.0).to(tl.float32)  # [WP, BC]
-            b_y += (b_x + b_s) * b_w[None, :]
-        b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
-        b_y = b_y.to(y.dtype.element_ty)
-        tl.store(p_head[None, :] + o_w[:, None] * SPLIT, b_y, mask=m_h[:, None] & m_head[None, :])
-        tl.store(p_tail[None, :] + o_w[:, None] * (C - SPLIT), b_y, mask=m_h[:, None] & m_tail[None, :])
+        # head: the first W-1 outputs, whose window reaches into the start state, a row at a time (a
+        # [W-1, BC] fp32 tile per tap held 220 registers at 4 channels a thread). An input is the
+        # sum of the sequence's input and the start state's, one of them zero, as it was as a tile:
+        # x + 0.0 keeps its FADD (only x + -0.0 folds), so these are that tile's bits.
+        for r in tl.static_range(W - 1):
+            b_y = tl.zeros([BC], dtype=tl.float32)
+            for j in tl.static_range(W):
+                b_w = tl.load(weight + o_c * stride_w_c + j * stride_w_w, mask=m_c, other=0.0).to(tl.float32)  # [BC]
+                pos = r - (W - 1) + j  # (constexpr) input position inside the sequence; < 0: the start state
+                if pos >= 0:
+                    b_in = tl.load(p_x + pos * stride_x_t + o_c * stride_x_c, mask=m_c & (r < L),
+                                   other=0.0).to(tl.float32) + 0.0
+                else:
+                    b_in = 0.0 + tl.load(p_start + (pos + W - 1) * stride_p_w, mask=m_c & (r < L) & (b_read >= 0),
+                                         other=0.0).to(tl.float32)
+                b_y += b_in * b_w
+            b_y = b_y / (1.0 + tl.exp(-b_y))  # silu
+            b_y = b_y.to(y.dtype.element_ty)
+            tl.store(p_head + r * SPLIT, b_y, mask=m_head & (r < L))
+            tl.store(p_tail + r * (C - SPLIT), b_y, mask=m_tail & (r < L))
 
         # the sequence's last W-1 inputs; with L < W-1 part of them is still the start state
+        o_w = tl.arange(0, WP)
         b_write = tl.load(write_slots + i_n).to(tl.int64)
         f_pos = L - (W - 1) + o_w  # [WP]
         m_w = (o_w < W - 1) & (b_write >= 0)
@@ -141,6 +227,7 @@ def indexed_conv_fwd_kernel(
 
 
 _tuned_conv_kernel = triton.autotune(configs=CONV_CONFIGS, key=["C", "N_CLASS", "T_CLASS"],
+                                     prune_configs_by={"early_config_prune": _rolling_needs_four_taps},
                                      **dict(zip(("pre_hook", "post_hook"), preserve_written_slots(
                                          "out_pool", "write_slots"))))(indexed_conv_fwd_kernel)
 
