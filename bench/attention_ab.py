@@ -9,6 +9,12 @@
 2. Rows over stored documents: the one-program kernel against split mode (a program per prefix
    span, then the finish kernel), every config of each; split mode also at SPAN_COUNTS spans and
    at SPLIT_BLOCK_M query tokens a program.
+3. Other tiles (`TILES`: query tokens a program, keys a step) for new documents and for the
+   one-program kernel over stored ones, every config of each (a config that cannot compile or fit is
+   reported): at head dim 256 serving runs 16 tokens x 4 heads against 32 keys a step, its key tile
+   fixed because the online softmax's order follows it. A larger tile changes the output's last
+   bits (the relative error against the served tile is recorded), so it would be a change of the
+   head dim's fixed tile, for every pass alike, not a config.
 Each candidate is captured in a CUDA graph (10 calls) and timed by replay, so host work is not
 in the figures. Outputs are compared (relative error).
 
@@ -35,6 +41,7 @@ ROW_SHAPES = [(1, 16, 2200), (6, 32, 48), (5, 32, 2200), (8, 64, 2200)]
 CALLS = 10  # calls per captured graph
 SPAN_COUNTS = (4, 16, 32)  # split mode's span counts timed beside PREFIX_SPANS
 SPLIT_BLOCK_M = (8,)  # split mode's query tokens a program timed beside query_block (16 at Kev-4B's 4 heads a group)
+TILES = ((16, 64), (32, 32), (32, 64))  # (query tokens a program, keys a step) timed beside the served (16, 32)
 
 
 def graph_us(fn) -> float:
@@ -42,6 +49,35 @@ def graph_us(fn) -> float:
     graph, _ = capture(lambda: [fn() for _ in range(CALLS)])
     graph.replay()
     return statistics.median(cuda_ms(graph.replay, 15)) * 1e3 / CALLS
+
+
+def block_chunks(seqs: int, tokens: int, block: int) -> torch.Tensor:
+    """fla's chunk list for `seqs` sequences of `tokens` each, in blocks of `block` query tokens."""
+    as_long = dict(dtype=torch.int64, device=DEVICE)
+    n_blocks = -(-tokens // block)
+    return torch.stack([torch.arange(seqs, **as_long).repeat_interleave(n_blocks),
+                        torch.arange(n_blocks, **as_long).repeat(seqs)], 1)
+
+
+def other_tiles(run, configs, ref) -> dict:
+    """`run(config, block_m, block_n)` at each of TILES, every config: its best, and the relative
+    error of its first working config's output against `ref` (the served tile's)."""
+    out = {}
+    for block_m, block_n in TILES:
+        us, failed, err = {}, {}, None
+        for c in configs:
+            try:
+                us[str(c)] = graph_us(lambda c=c: run(c, block_m, block_n))
+                if err is None:
+                    got = run(c, block_m, block_n).float()
+                    err = ((got - ref).norm() / ref.norm()).item()
+            except Exception as e:  # noqa: BLE001 - a config that cannot compile or fit this tile is a result
+                failed[str(c)] = f"{type(e).__name__}: {str(e)[:200]}"
+                torch.cuda.synchronize()
+        best = min(us, key=us.get) if us else None
+        out[f"{block_m}x{block_n}"] = {"best_us": us.get(best), "best_config": best, "configs_us": us,
+                                       "failed": failed, "rel_err_vs_served_tile": err}
+    return out
 
 
 def case(cfg, docs: int, tokens: int, gen) -> dict:
@@ -62,10 +98,11 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
     chunks = torch.stack([torch.arange(docs, **as_long).repeat_interleave(n_blocks),
                           torch.arange(n_blocks, **as_long).repeat(docs)], 1)
 
-    def paged(config):
-        return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros,
-                                                   key_pages=key_pages, value_pages=value_pages, block_table=table,
-                                                   write_slots=slots, chunk_indices=chunks, config=config)
+    def paged(config, block_m=None, block_n=None):
+        return paged_prefix.paged_prefix_attention(
+            q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros, key_pages=key_pages, value_pages=value_pages,
+            block_table=table, write_slots=slots, config=config, block_m=block_m, block_n=block_n,
+            chunk_indices=chunks if block_m is None else block_chunks(docs, tokens, block_m))
 
     # token t of document n lives at page table[n, t // BS], row t % BS: with these tables, flat page rows
     page_rows = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEVICE)).flatten(1)[:, :tokens].flatten()
@@ -96,6 +133,11 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
     for name in ("paged_us", "sdpa_flash_us", "sdpa_cudnn_us"):
         if name in out:
             out[name.replace("_us", "_tflops")] = out["causal_tflop"] / (out[name] * 1e-6)
+    configs = [c for c in paged_prefix.ATTN_CONFIGS if paged_prefix.valid_configs([c], {}, BD=max(32, D))]
+    out["tiles"] = other_tiles(paged, configs, ref)
+    for entry in out["tiles"].values():
+        if entry["best_us"]:
+            entry["tflops"] = out["causal_tflop"] / (entry["best_us"] * 1e-6)
     return out
 
 
@@ -150,6 +192,11 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
     # Split mode with fewer query tokens a program (serving: query_block), its 4-warp configs (each
     # compiles both kernels again): a [64, 256]
     # fp32 accumulator spills at one value slice; 8 tokens x 4 heads make it [32, 256].
+    out["one_program_tiles"] = other_tiles(
+        lambda c, m, n: paged_prefix.paged_prefix_attention(
+            q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes, key_pages=key_pages, value_pages=value_pages,
+            block_table=table, write_slots=no_write, chunk_indices=blocks(m), split=False, config=c, block_m=m,
+            block_n=n), configs, ref)
     out["split_block_m"] = {}
     for m in SPLIT_BLOCK_M:
         us = {str(c): graph_us(lambda c=c: attn(True, c, block_m=m)) for c in configs if c.num_warps == 4}
@@ -170,14 +217,17 @@ def main():
     for docs, tokens in SHAPES:
         entry = case(cfg, docs, tokens, gen)
         result["cases"].append(entry)
+        write_json(args.out, result)  # partial results survive a time-out
         print(f"{docs}x{tokens}: paged {entry['paged_us']:.1f} us ({entry.get('paged_tflops', 0):.0f} TFLOP/s), "
               f"sdpa flash {entry.get('sdpa_flash_us', float('nan')):.1f} us "
-              f"({entry.get('sdpa_flash_tflops', 0):.0f} TFLOP/s) {entry.get('sdpa_error', '')}", flush=True)
+              f"({entry.get('sdpa_flash_tflops', 0):.0f} TFLOP/s) {entry.get('sdpa_error', '')}; tiles "
+              + ", ".join(f"{t}: {e['best_us']}" for t, e in entry["tiles"].items()), flush=True)
         torch.cuda.empty_cache()
     result["rows"] = []
     for rows, tokens, prefix in ROW_SHAPES:
         entry = row_case(cfg, rows, tokens, prefix, gen)
         result["rows"].append(entry)
+        write_json(args.out, result)
         print(f"{rows}x{tokens}@{prefix}: one program {entry['one_program']['best_us']:.1f} us, split "
               f"{entry['split']['best_us']:.1f} us ({entry['split']['best_config']}), rel err "
               f"{entry['split']['rel_err_vs_one_program']:.1e}; split by spans "

@@ -87,7 +87,8 @@ for what in "${@:-tests perf}"; do
             single)  # the single-request figures alone (perf without the map)
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15 \
                     --profile-out "$OUT/single_request_profile.txt" ;;
-            ab) step attention_ab 150 python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
+            ab)  # ~100 s before session 36's other tiles (TILES: three more per shape, every config; not run yet)
+                step attention_ab "${KEV_LIMIT_AB:-330}" python3 -m bench.attention_ab --out "$OUT/attention_ab.json" ;;
             pdl-ab)  # the single-request figures without PDL (kev/ops/pdl.py; the default), then with it
                 step single_request 150 python3 -m bench.single_request --out "$OUT/single_request.json" --reps 15
                 step single_request_pdl 150 python3 -m bench.single_request --pdl \
