@@ -101,14 +101,17 @@ def test_conv_split_output_is_the_same_values_in_two_contiguous_blocks(interp, s
         interp.conv.indexed_causal_conv(x=x, conv_pool=pool, split=C + 1, **kw)
 
 
-@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+ROLL_CASES = {**CASES, "T130-6": ([130, 6, 3], [1, -1, 2], [1, 0, -1])}  # a third chunk of 2 rows, 6 and 3 rows
+
+
+@pytest.mark.parametrize("case", ROLL_CASES, ids=list(ROLL_CASES))
 def test_conv_rolling_configs_give_the_tile_configs_bits(interp, case):
     """A ROLL config (a row at a time, the window's earlier rows carried) stores the very bits of the
     tile steps, in both output blocks, with the same final conv states: channel blocks of 16 and 32
-    over 40 channels (a partial block), the split inside a block, rows of 1-65 tokens (one and two
-    chunks, shorter than the window), read == write slots. Kernel size 4 only: the autotuner drops
+    over 40 channels (a partial block), the split inside a block, sequences of 1-130 tokens (one to
+    three chunks, shorter than the window, every remainder of a four-row step), read == write slots. Kernel size 4 only: the autotuner drops
     ROLL configs for any other."""
-    lens, read, write = CASES[case]
+    lens, read, write = ROLL_CASES[case]
     g = torch.Generator().manual_seed(7 + len(lens))
     C, W, S = 40, 4, 6
     x = torch.randn(sum(lens), C + 8, generator=g).bfloat16()[:, 8:]
