@@ -28,6 +28,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from fla.ops.utils.index import prepare_chunk_indices
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.common import capture, cuda_ms, kev4b_config, run_info, write_json
@@ -49,14 +50,6 @@ def graph_us(fn) -> float:
     graph, _ = capture(lambda: [fn() for _ in range(CALLS)])
     graph.replay()
     return statistics.median(cuda_ms(graph.replay, 15)) * 1e3 / CALLS
-
-
-def block_chunks(seqs: int, tokens: int, block: int) -> torch.Tensor:
-    """fla's chunk list for `seqs` sequences of `tokens` each, in blocks of `block` query tokens."""
-    as_long = dict(dtype=torch.int64, device=DEVICE)
-    n_blocks = -(-tokens // block)
-    return torch.stack([torch.arange(seqs, **as_long).repeat_interleave(n_blocks),
-                        torch.arange(n_blocks, **as_long).repeat(seqs)], 1)
 
 
 def other_tiles(run, configs, ref) -> dict:
@@ -93,16 +86,13 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
     table = torch.arange(docs * per, dtype=torch.int32, device=DEVICE).view(docs, per)
     cu = torch.arange(docs + 1, **as_long) * tokens
     zeros, slots = torch.zeros(docs, **as_long), torch.arange(docs, **as_long)
-    block = paged_prefix.query_block(Hq // Hkv)
-    n_blocks = -(-tokens // block)
-    chunks = torch.stack([torch.arange(docs, **as_long).repeat_interleave(n_blocks),
-                          torch.arange(n_blocks, **as_long).repeat(docs)], 1)
+    chunks = prepare_chunk_indices(cu, paged_prefix.query_block(Hq // Hkv))
 
     def paged(config, block_m=None, block_n=None):
         return paged_prefix.paged_prefix_attention(
             q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros, key_pages=key_pages, value_pages=value_pages,
             block_table=table, write_slots=slots, config=config, block_m=block_m, block_n=block_n,
-            chunk_indices=chunks if block_m is None else block_chunks(docs, tokens, block_m))
+            chunk_indices=chunks if block_m is None else prepare_chunk_indices(cu, block_m))
 
     # token t of document n lives at page table[n, t // BS], row t % BS: with these tables, flat page rows
     page_rows = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEVICE)).flatten(1)[:, :tokens].flatten()
@@ -156,12 +146,7 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
     block = paged_prefix.query_block(Hq // Hkv)
     prefixes, no_write = torch.full((rows,), prefix, **as_long), torch.full((rows,), -1, **as_long)
 
-    def blocks(block):
-        n_blocks = -(-tokens // block)
-        return torch.stack([torch.arange(rows, **as_long).repeat_interleave(n_blocks),
-                            torch.arange(n_blocks, **as_long).repeat(rows)], 1)
-
-    chunks_by_block = {block: blocks(block), **{m: blocks(m) for m in SPLIT_BLOCK_M}}
+    chunks_by_block = {m: prepare_chunk_indices(cu, m) for m in (block, *SPLIT_BLOCK_M)}
 
     def attn(split, config, spans=paged_prefix.PREFIX_SPANS, block_m=block):
         return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes,
@@ -195,7 +180,7 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
     out["one_program_tiles"] = other_tiles(
         lambda c, m, n: paged_prefix.paged_prefix_attention(
             q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes, key_pages=key_pages, value_pages=value_pages,
-            block_table=table, write_slots=no_write, chunk_indices=blocks(m), split=False, config=c, block_m=m,
+            block_table=table, write_slots=no_write, chunk_indices=prepare_chunk_indices(cu, m), split=False, config=c, block_m=m,
             block_n=n), configs, ref)
     out["split_block_m"] = {}
     for m in SPLIT_BLOCK_M:

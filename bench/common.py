@@ -159,8 +159,9 @@ def cuda_ms(fn: Callable[[], object], reps: int) -> list[float]:
     return out
 
 
-def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm `fn` up on a side stream (compiles, autotunes), then capture it; returns (graph, output)."""
+def capture(fn: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up on a side stream (compiles, autotunes), then capture it; returns (graph, output).
+    `pool`: a memory pool shared with other graphs that never replay at the same time."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -168,7 +169,7 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
 

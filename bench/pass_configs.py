@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from bench.common import GpuSampler, cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
+from bench.common import GpuSampler, capture, cuda_ms, floor_ms, kev4b_config, matmul_tflops, random_model, run_info, write_json
 from kev.bank.bank import Bank
 from kev.exec.batch import RowBatch
 from kev.exec.passes import Passes
@@ -40,7 +40,7 @@ from kev.ops.triton_ops import TritonOps
 
 DEVICE = "cuda"
 BLOCK = 64
-DEFAULT_KERNELS = "indexed_scan,kkt_solve,indexed_conv,chunk_fwd_o,recompute_w_u"
+DEFAULT_KERNELS = "indexed_scan,kkt_solve,indexed_conv"  # the latency- and issue-bound ones (RESULTS, session 36)
 
 
 def state_pass(runner: Passes, cfg, docs: int, doc_tokens: int, gen):
@@ -67,30 +67,20 @@ def row_pass(runner: Passes, cfg, docs: int, doc_tokens: int, rows: int, row_tok
         batch.shape_class, rows * row_tokens
 
 
-def capture(call, tuned, pool):
-    """The pass captured under its class's caches (`tuned()`), warmed first on a side stream
-    (compiles the pinned config)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), tuned():
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with tuned(), torch.cuda.graph(graph, pool=pool):
-        call()
-    return graph
-
-
 def sweep_kernel(name, autotuner, runner, cls, call, args) -> dict:
     picks = set(runner.tuner.chosen(cls)[name])
     if not picks:
         return {"skipped": f"no key of {name} was tuned in class {cls.value} (the pass does not launch it)"}
     pool = torch.cuda.graph_pool_handle()
     graphs, failed = {}, {}
+    def tuned_call():  # under the class's caches, as `Passes` runs a pass
+        with runner.tuned(cls):
+            call()
+
     for config in autotuner.configs:
         try:
             with runner.tuner.pinned(cls, name, config):
-                graphs[str(config)] = capture(call, lambda: runner.tuned(cls), pool)
+                graphs[str(config)] = capture(tuned_call, pool)[0]  # compiles the pinned config first
         except Exception as e:  # noqa: BLE001 - a config that cannot compile or launch here is a result
             failed[str(config)] = f"{type(e).__name__}: {str(e)[:300]}"
             torch.cuda.synchronize()

@@ -132,11 +132,11 @@ for what in "${@:-tests perf}"; do
                 # timed inside the whole 8 x 2,048 state pass after 3 s at the power limit (bench/pass_configs.py;
                 # estimated ~3 min warm, not run yet: with pass-configs-rows, one call)
                 step pass_configs "${KEV_LIMIT_PASS_CONFIGS:-300}" python3 -m bench.pass_configs \
-                    --kernels "${KEV_PASS_KERNELS:-indexed_scan,kkt_solve,indexed_conv}" --out "$OUT/pass_configs.json" ;;
+                    ${KEV_PASS_KERNELS:+--kernels "$KEV_PASS_KERNELS"} --out "$OUT/pass_configs.json" ;;
             pass-configs-rows)  # the same inside a row pass: 64 rows of 32 tokens over 8 documents of 512
                 step pass_configs_rows "${KEV_LIMIT_PASS_CONFIGS_ROWS:-240}" python3 -m bench.pass_configs --pass rows \
                     --rows 64 --row-tokens 32 --doc-tokens 512 \
-                    --kernels "${KEV_PASS_KERNELS:-indexed_scan,kkt_solve,indexed_conv}" --out "$OUT/pass_configs_rows.json" ;;
+                    ${KEV_PASS_KERNELS:+--kernels "$KEV_PASS_KERNELS"} --out "$OUT/pass_configs_rows.json" ;;
             *) echo "unknown step $s (tests, tests-a, tests-b, tests-c, named, kernels-ratios, perf, single, ab, pdl-ab, floors, load-shapes, kernel-floors, ncu-delta, pass-configs, pass-configs-rows)"
                exit 2 ;;
         esac

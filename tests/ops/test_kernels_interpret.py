@@ -106,11 +106,11 @@ ROLL_CASES = {**CASES, "T130-6": ([130, 6, 3], [1, -1, 2], [1, 0, -1])}  # a thi
 
 @pytest.mark.parametrize("case", ROLL_CASES, ids=list(ROLL_CASES))
 def test_conv_rolling_configs_give_the_tile_configs_bits(interp, case):
-    """A ROLL config (a row at a time, the window's earlier rows carried) stores the very bits of the
-    tile steps, in both output blocks, with the same final conv states: channel blocks of 16 and 32
-    over 40 channels (a partial block), the split inside a block, sequences of 1-130 tokens (one to
-    three chunks, shorter than the window, every remainder of a four-row step), read == write slots. Kernel size 4 only: the autotuner drops
-    ROLL configs for any other."""
+    """A ROLL config (four rows a step, the window's earlier rows carried) stores the very bits of
+    the tile steps, in both output blocks, with the same final conv states: channel blocks of 16 and
+    32 over 40 channels (a partial block), the split inside a block, sequences of 1-130 tokens (one
+    to three chunks, shorter than the window, every remainder of a four-row step), read == write
+    slots. Kernel size 4 only: the autotuner drops ROLL configs for any other."""
     lens, read, write = ROLL_CASES[case]
     g = torch.Generator().manual_seed(7 + len(lens))
     C, W, S = 40, 4, 6
