@@ -120,6 +120,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    autotuners = hot_autotuners()
+    unknown = [n for n in args.kernels.split(",") if n not in autotuners]
+    if unknown:  # before the minutes of warm-up, not after (session 37's call lost 89 s to "conv")
+        ap.error(f"unknown --kernels {unknown}; hot_autotuners names: {sorted(autotuners)}")
 
     cfg = kev4b_config()
     model = random_model(cfg).fuse_projections()
@@ -144,7 +148,6 @@ def main() -> None:
                   "reps": args.reps, "kernels": {}}
         if rows:
             result.update(rows=args.rows, row_tokens=args.row_tokens)
-        autotuners = hot_autotuners()
         for name in args.kernels.split(","):
             result["kernels"][name] = sweep_kernel(name, autotuners[name], runner, cls, call, args)
             k = result["kernels"][name]

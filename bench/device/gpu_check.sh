@@ -20,6 +20,7 @@
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh "tests-b perf"   # the next, cache carried (.triton_carry)
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh tests-c          # tests-b without its kernels (tests-b = kernels + tests-c)
 #     KEV_TESTS="tests/a.py::test_x tests/b.py" KEV_COMMIT=<sha> bash bench/device/gpu_check.sh named  # those tests only
+#         (KEV_TESTS is split on spaces: name tests by node id; a `-k "a or b"` expression collects nothing)
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh kernels-ratios   # test_kernels_gpu.py at head ratios 2 and 3
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh ncu-delta        # Nsight Compute on one layer's non-GEMM kernels
 #     KEV_COMMIT=<sha> bash bench/device/gpu_check.sh pass-configs     # each config timed inside the pass (power limit)

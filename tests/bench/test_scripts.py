@@ -4,6 +4,7 @@ and a device call's files are sorted into bench/results and runs/ (bench/device/
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,11 @@ def test_a_call_with_more_files_than_come_back_is_bundled_and_collected(tmp_path
     run = root / "runs/t_abc1234"
     assert {p.name for p in run.iterdir()} == {"kernel_floors.json", "load_shapes"}
     assert (run / "load_shapes/row_pass_5.txt").read_text() == "5"
+
+
+def test_pass_configs_rejects_an_unknown_kernel_before_building_anything():
+    """Session 37 lost 89 s of device time to `--kernels conv` failing after the warm-up."""
+    result = subprocess.run([sys.executable, "-m", "bench.pass_configs", "--kernels", "indexed_scan,conv"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2
+    assert "unknown --kernels ['conv']" in result.stderr and "indexed_conv" in result.stderr
