@@ -86,13 +86,15 @@ def case(cfg, docs: int, tokens: int, gen) -> dict:
     table = torch.arange(docs * per, dtype=torch.int32, device=DEVICE).view(docs, per)
     cu = torch.arange(docs + 1, **as_long) * tokens
     zeros, slots = torch.zeros(docs, **as_long), torch.arange(docs, **as_long)
-    chunks = prepare_chunk_indices(cu, paged_prefix.query_block(Hq // Hkv))
+    served = paged_prefix.query_block(Hq // Hkv)
+    # made here, not inside the captured calls (fla builds them on the host)
+    chunks_by_block = {m: prepare_chunk_indices(cu, m) for m in (served, *(m for m, _ in TILES))}
 
     def paged(config, block_m=None, block_n=None):
         return paged_prefix.paged_prefix_attention(
             q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=zeros, key_pages=key_pages, value_pages=value_pages,
             block_table=table, write_slots=slots, config=config, block_m=block_m, block_n=block_n,
-            chunk_indices=chunks if block_m is None else prepare_chunk_indices(cu, block_m))
+            chunk_indices=chunks_by_block[block_m or served])
 
     # token t of document n lives at page table[n, t // BS], row t % BS: with these tables, flat page rows
     page_rows = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEVICE)).flatten(1)[:, :tokens].flatten()
@@ -146,7 +148,7 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
     block = paged_prefix.query_block(Hq // Hkv)
     prefixes, no_write = torch.full((rows,), prefix, **as_long), torch.full((rows,), -1, **as_long)
 
-    chunks_by_block = {m: prepare_chunk_indices(cu, m) for m in (block, *SPLIT_BLOCK_M)}
+    chunks_by_block = {m: prepare_chunk_indices(cu, m) for m in (block, *SPLIT_BLOCK_M, *(m for m, _ in TILES))}
 
     def attn(split, config, spans=paged_prefix.PREFIX_SPANS, block_m=block):
         return paged_prefix.paged_prefix_attention(q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes,
@@ -180,7 +182,7 @@ def row_case(cfg, rows: int, tokens: int, prefix: int, gen) -> dict:
     out["one_program_tiles"] = other_tiles(
         lambda c, m, n: paged_prefix.paged_prefix_attention(
             q=q, k=k, v=v, cu_seqlens=cu, prefix_lens=prefixes, key_pages=key_pages, value_pages=value_pages,
-            block_table=table, write_slots=no_write, chunk_indices=prepare_chunk_indices(cu, m), split=False, config=c, block_m=m,
+            block_table=table, write_slots=no_write, chunk_indices=chunks_by_block[m], split=False, config=c, block_m=m,
             block_n=n), configs, ref)
     out["split_block_m"] = {}
     for m in SPLIT_BLOCK_M:
