@@ -121,3 +121,40 @@ def poison_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
+
+
+@contextmanager
+def accesses_inside(*tensors):
+    """Under the interpreter: every load and store that a kernel's mask lets through must fall
+    inside one of `tensors`' storages, else AssertionError. On a GPU such an access faults only when
+    it reaches unmapped memory (a masked-out row never does), so a kernel's bounds are checked here,
+    on the CPU, whatever lies around its buffers."""
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+             for t in tensors]
+    real = interpreter._interpreter
+
+    def check(kind, ptrs, mask, itemsize):
+        addrs = ptrs[mask.astype(bool)] if mask is not None else ptrs.reshape(-1)
+        inside = np.zeros(addrs.shape, dtype=bool)
+        for lo, hi in spans:
+            inside |= (addrs >= lo) & (addrs + itemsize <= hi)
+        assert inside.all(), f"{kind} of {int((~inside).sum())} elements outside every given tensor"
+
+    class Guarded:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def load(self, ptrs, mask, other, dtype):
+            check("load", ptrs, mask, np.dtype(dtype).itemsize)
+            return real.load(ptrs, mask, other, dtype)
+
+        def store(self, ptrs, value, mask):
+            check("store", ptrs, mask, value.dtype.itemsize)
+            return real.store(ptrs, value, mask)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_interpreter", Guarded())
+        yield

@@ -273,6 +273,39 @@ def test_attention_reads_no_keys_past_a_keys_no_op_entries():
         assert rel_err(ref[:doc], o[:doc]) <= 2e-2 and rel_err(ref[doc:], o[doc:]) <= 2e-2
 
 
+def test_every_conv_config_reads_no_rows_past_a_keys_no_op_entries():
+    """The conv under the same no-op entries as the attention above, at Kev-4B's channels, every
+    config: the chunks past the pass's end have no rows and read nothing. a081b28's ROLL configs
+    read the three rows before each such chunk, up to ~8,192 rows (~200 MB) past the projection
+    buffer: the bank's first graph capture faulted (e76b9e0, H100). The CPU test of the same
+    (`test_kernels_interpret`) checks every address; here the check is that the GPU stays healthy,
+    with real rows that match the reference."""
+    from kernel_support import packed_chunks
+    from kev.ops.conv.indexed_conv import CONV_CONFIGS_ALL, indexed_causal_conv
+    from kev.ops.conv.naive import causal_conv_reference
+
+    L, doc, C, split, width = 8192, 8184, 8192, 4096, 12352  # width: the fused projection's row
+    chunks, _ = packed_chunks([doc], L, 2, 64, 2 * (L // 64))
+    assert int(chunks[-1, 1]) * 64 + doc >= 2 * L - 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    weight = torch.randn(C, 4, generator=g, device="cuda").bfloat16()
+    start = torch.randn(2, C, 3, generator=g, device="cuda").bfloat16()
+    cu = torch.tensor([0, doc, L], device="cuda")
+    read, write = torch.tensor([1, -1], device="cuda"), torch.tensor([0, -1], device="cuda")
+    proj = torch.randn(L, width, generator=g, device="cuda").bfloat16()  # the last big allocation
+    x = proj[:, :C]
+    ref_pool = start.float()
+    ref = causal_conv_reference(x[:doc].float(), weight.float(), [0, doc], ref_pool, [1], [0])
+    for config in CONV_CONFIGS_ALL:
+        pool = start.clone()
+        head, tail = indexed_causal_conv(x=x, weight=weight, cu_seqlens=cu, conv_pool=pool, read_slots=read,
+                                         write_slots=write, chunk_indices=chunks.to("cuda"), split=split,
+                                         config=config)
+        torch.cuda.synchronize()  # a fault surfaces here
+        y = torch.cat([head, tail], dim=1)[:doc]
+        assert rel_err(ref, y) <= 1e-2 and rel_err(ref_pool[0], pool[0]) <= 1e-2, config
+
+
 def test_no_recompiles_over_batch_sizes(setup, monkeypatch):
     """After two warm passes (1 row: paged attention's split mode; 64 rows: its one-program mode),
     row passes of 1..64 rows (32 tokens each) compile nothing new."""

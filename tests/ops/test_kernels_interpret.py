@@ -133,6 +133,41 @@ def test_conv_rolling_configs_give_the_tile_configs_bits(interp, case):
     assert interp.conv._rolling_needs_four_taps(rolling, {}, W=3) == []
 
 
+def test_every_conv_config_reads_and_writes_only_its_tensors_past_no_op_entries(interp):
+    """A CUDA-graph key's static chunk list runs on past its last sequence with no-op entries
+    (`kev.exec.static_pass.packed_chunk_lists`): chunks with no rows, starting up to thousands of
+    rows past the pass's last token. Every conv config, tile and ROLL, must touch nothing outside its
+    tensors there (a081b28's ROLL preload read the three rows before each such chunk: the bank's first
+    capture faulted on an H100), and the real rows must still match the reference."""
+    from interpret_support import accesses_inside
+    from kernel_support import packed_chunks
+    from kev.ops.conv.naive import causal_conv_reference
+
+    lens, T, slots, entries = [70, 5], 80, 4, 40  # 3 + 1 chunks, the 5-token padding's, 35 no-ops
+    chunks, _ = packed_chunks(lens, T, slots, 64, entries)
+    assert int(chunks[-1, 1]) * 64 >= 30 * 64, "no-op entries run far past the pass"
+    cu = torch.tensor([0, 70, 75, 80, 80])
+    read, write = torch.tensor([2, -1, -1, -1]), torch.tensor([1, 0, -1, -1])
+    g = torch.Generator().manual_seed(11)
+    C, W, S, split = 40, 4, 3, 24
+    buf = torch.randn(T, C + 8, generator=g).bfloat16()  # x is all of it but 8 columns: no rows to spare
+    x = buf[:, 8:]
+    weight = torch.randn(C, W, generator=g).bfloat16()
+    start = torch.randn(S, C, W - 1, generator=g).bfloat16()
+    ref_pool = start.float()
+    ref = causal_conv_reference(x[:75].float(), weight.float(), [0, 70, 75], ref_pool, [2, -1], [1, 0])
+    for config in interp.conv.CONV_CONFIGS_ALL:
+        pool, flat = start.clone(), torch.empty(T * C, dtype=torch.bfloat16)
+        out = (flat[: T * split].view(T, split), flat[T * split:].view(T, C - split))
+        with accesses_inside(buf, weight, pool, cu, read, write, chunks, flat):
+            head, tail = interp.conv.indexed_causal_conv(x=x, weight=weight, cu_seqlens=cu, conv_pool=pool,
+                                                         read_slots=read, write_slots=write, chunk_indices=chunks,
+                                                         split=split, out=out, config=config)
+        y = torch.cat([head, tail], dim=1)[:75].float()
+        assert rel_err(ref, y) <= 1e-2, config
+        assert rel_err(ref_pool[:2], pool[:2].float()) <= 1e-2 and torch.equal(pool[2], start[2]), config
+
+
 def scan_reference(k, w, u, g, lens, h0s):
     """The state pass in plain torch (fp64): per sequence and chunk of 64, what the h kernel computes."""
     hs, v_new, finals = [], torch.empty(u.shape, dtype=torch.float64), []

@@ -100,7 +100,8 @@ def _rolling_rows(p_x, weight, p_head, p_tail, o_c, m_c, m_head, m_tail, t0, n_t
                   stride_x_t, stride_x_c, stride_w_c, stride_w_w, W: tl.constexpr):
     """The chunk's outputs four rows a step (ROLL configs): each input row is loaded once, the
     window's three rows before a step carried in registers. Rows before the sequence's start read as
-    zeros, as in `_tile_rows`; rows past the chunk's end are neither read nor stored."""
+    zeros, as in `_tile_rows`; rows past the chunk's end are neither read nor stored. A chunk with no
+    rows (a CUDA-graph key's no-op entries, far past the pass's last token) reads nothing at all."""
     tl.static_assert(W == 4, "the rolling window holds the three rows before the current one")
     DT: tl.constexpr = p_head.dtype.element_ty
     b_w0 = tl.load(weight + o_c * stride_w_c, mask=m_c, other=0.0).to(tl.float32)
@@ -108,9 +109,12 @@ def _rolling_rows(p_x, weight, p_head, p_tail, o_c, m_c, m_head, m_tail, t0, n_t
     b_w2 = tl.load(weight + o_c * stride_w_c + 2 * stride_w_w, mask=m_c, other=0.0).to(tl.float32)
     b_w3 = tl.load(weight + o_c * stride_w_c + 3 * stride_w_w, mask=m_c, other=0.0).to(tl.float32)
     p_row = p_x + o_c * stride_x_c  # [BC] the chunk's first row
-    b_x3 = tl.load(p_row - 3 * stride_x_t, mask=m_c & (t0 >= 3), other=0.0).to(tl.float32)
-    b_x2 = tl.load(p_row - 2 * stride_x_t, mask=m_c & (t0 >= 2), other=0.0).to(tl.float32)
-    b_x1 = tl.load(p_row - stride_x_t, mask=m_c & (t0 >= 1), other=0.0).to(tl.float32)
+    # the window before the chunk, only where the chunk has rows: a no-op entry's "previous rows" lie
+    # past the pass's end (a081b28's preload faulted the bank's first graph capture, e76b9e0 on an H100)
+    m_w = m_c & (n_tok > 0)
+    b_x3 = tl.load(p_row - 3 * stride_x_t, mask=m_w & (t0 >= 3), other=0.0).to(tl.float32)
+    b_x2 = tl.load(p_row - 2 * stride_x_t, mask=m_w & (t0 >= 2), other=0.0).to(tl.float32)
+    b_x1 = tl.load(p_row - stride_x_t, mask=m_w & (t0 >= 1), other=0.0).to(tl.float32)
     for s in range(0, n_tok, 4):
         b_a = tl.load(p_row + s * stride_x_t, mask=m_c, other=0.0).to(tl.float32)  # s < n_tok
         b_b = tl.load(p_row + (s + 1) * stride_x_t, mask=m_c & (s + 1 < n_tok), other=0.0).to(tl.float32)
