@@ -123,25 +123,29 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", nan_new_empty)
 
 
+def _storage_span(t):
+    return t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()
+
+
+def _tensor_span(t):
+    """[first, last + 1) bytes of the elements of a tensor view (any strides >= 0)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
 @contextmanager
-def accesses_inside(*tensors):
-    """Under the interpreter: every load and store that a kernel's mask lets through must fall
-    inside one of `tensors`' storages, else AssertionError. On a GPU such an access faults only when
-    it reaches unmapped memory (a masked-out row never does), so a kernel's bounds are checked here,
-    on the CPU, whatever lies around its buffers."""
+def _checked_accesses(allowed):
+    """Under the interpreter: `allowed(addresses, itemsize)` -> bool per address must hold for every
+    load and store that a kernel's mask lets through, else AssertionError."""
     import numpy as np
     import triton.runtime.interpreter as interpreter
 
-    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-             for t in tensors]
     real = interpreter._interpreter
 
     def check(kind, ptrs, mask, itemsize):
-        addrs = ptrs[mask.astype(bool)] if mask is not None else ptrs.reshape(-1)
-        inside = np.zeros(addrs.shape, dtype=bool)
-        for lo, hi in spans:
-            inside |= (addrs >= lo) & (addrs + itemsize <= hi)
-        assert inside.all(), f"{kind} of {int((~inside).sum())} elements outside every given tensor"
+        addrs = ptrs[mask.astype(bool)]
+        ok = allowed(addrs, itemsize)
+        assert ok.all(), f"{kind} of {int((~ok).sum())} elements where no access may go"
 
     class Guarded:
         def __getattr__(self, name):
@@ -158,3 +162,34 @@ def accesses_inside(*tensors):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter, "_interpreter", Guarded())
         yield
+
+
+def accesses_inside(*tensors):
+    """Every load and store a kernel's mask lets through falls inside one of `tensors`' storages.
+    On a GPU such an access faults only when it reaches unmapped memory (a masked-out row never
+    does), so a kernel's bounds are checked here, on the CPU, whatever lies around its buffers."""
+    import numpy as np
+
+    spans = [_storage_span(t) for t in tensors]
+
+    def allowed(addrs, itemsize):
+        inside = np.zeros(addrs.shape, dtype=bool)
+        for lo, hi in spans:
+            inside |= (addrs >= lo) & (addrs + itemsize <= hi)
+        return inside
+
+    return _checked_accesses(allowed)
+
+
+def accesses_avoid(*guards):
+    """No load or store a kernel's mask lets through touches `guards` (tensor views: the rows
+    allocated past an input, say): for kernels that also use buffers they allocate themselves."""
+    spans = [_tensor_span(t) for t in guards]
+
+    def allowed(addrs, itemsize):
+        ok = addrs == addrs  # all True
+        for lo, hi in spans:
+            ok &= (addrs + itemsize <= lo) | (addrs >= hi)
+        return ok
+
+    return _checked_accesses(allowed)
