@@ -143,7 +143,7 @@ def test_every_conv_config_reads_and_writes_only_its_tensors_past_no_op_entries(
     from kernel_support import packed_chunks
     from kev.ops.conv.naive import causal_conv_reference
 
-    lens, T, slots, entries = [70, 5], 80, 4, 40  # 3 + 1 chunks, the 5-token padding's, 35 no-ops
+    lens, T, slots, entries = [70, 5], 80, 4, 40  # 2 + 1 chunks, the 5-token padding's 1, then 36 no-ops
     chunks, _ = packed_chunks(lens, T, slots, 64, entries)
     assert int(chunks[-1, 1]) * 64 >= 30 * 64, "no-op entries run far past the pass"
     cu = torch.tensor([0, 70, 75, 80, 80])
