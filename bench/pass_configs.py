@@ -73,6 +73,7 @@ def sweep_kernel(name, autotuner, runner, cls, call, args) -> dict:
         return {"skipped": f"no key of {name} was tuned in class {cls.value} (the pass does not launch it)"}
     pool = torch.cuda.graph_pool_handle()
     graphs, failed = {}, {}
+
     def tuned_call():  # under the class's caches, as `Passes` runs a pass
         with runner.tuned(cls):
             call()
