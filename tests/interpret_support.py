@@ -13,6 +13,7 @@ import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from bench.kernel_resources import HopperDriver as FakeHopper  # noqa: F401 - the tests' stand-in driver (sm_90)
@@ -137,7 +138,6 @@ def _tensor_span(t):
 def _checked_accesses(allowed):
     """Under the interpreter: `allowed(addresses, itemsize)` -> bool per address must hold for every
     load and store that a kernel's mask lets through, else AssertionError."""
-    import numpy as np
     import triton.runtime.interpreter as interpreter
 
     real = interpreter._interpreter
@@ -168,7 +168,6 @@ def accesses_inside(*tensors):
     """Every load and store a kernel's mask lets through falls inside one of `tensors`' storages.
     On a GPU such an access faults only when it reaches unmapped memory (a masked-out row never
     does), so a kernel's bounds are checked here, on the CPU, whatever lies around its buffers."""
-    import numpy as np
 
     spans = [_storage_span(t) for t in tensors]
 
@@ -184,7 +183,6 @@ def accesses_inside(*tensors):
 def accesses_avoid(*guards):
     """No load or store a kernel's mask lets through touches `guards` (tensor views: the rows
     allocated past an input, say): for kernels that also use buffers they allocate themselves."""
-    import numpy as np
 
     spans = [_tensor_span(t) for t in guards]
 
